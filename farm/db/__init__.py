@@ -1,0 +1,1 @@
+"""The farm's database: SQLAlchemy models (`models`) and engine/session/migrations (`session`)."""

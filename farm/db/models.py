@@ -1,0 +1,209 @@
+"""The schema. Admins query it with SQL, so every column says what it means (`comment=`).
+
+Invariants live in the database, not only in code: unique cache keys, one active job per cache
+key (a partial unique index), sha256 columns that are 64 lower-case hex characters.
+Timestamps are UTC, sizes bytes, durations seconds. Changes only through Alembic migrations.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+ACTIVE_STATES = ("queued", "running")
+_ACTIVE_SQL = "state IN ('queued', 'running')"
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}  # noqa: RUF012
+
+
+def sha256_checks(column: str) -> tuple[CheckConstraint, CheckConstraint]:
+    """`column` holds 64 lower-case hex characters, on PostgreSQL (regex) and SQLite (GLOB)."""
+    return (
+        CheckConstraint(f"{column} ~ '^[0-9a-f]{{64}}$'", name=f"{column}_sha256").ddl_if(
+            dialect="postgresql"
+        ),
+        CheckConstraint(
+            f"length({column}) = 64 AND {column} NOT GLOB '*[^0-9a-f]*'",
+            name=f"{column}_sha256",
+        ).ddl_if(dialect="sqlite"),
+    )
+
+
+class Model(Base):
+    __tablename__ = "models"
+    __table_args__ = (
+        *sha256_checks("digest"),
+        CheckConstraint("format IN ('ir', 'onnx')", name="format"),
+        {"comment": "A model submitted to the farm, identified by the digests of its files."},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    digest: Mapped[str] = mapped_column(
+        String(64),
+        unique=True,
+        comment="sha256 of the canonical JSON of `files`: the model's identity. Never changes.",
+    )
+    format: Mapped[str] = mapped_column(String(8), comment="'ir' (.xml + .bin) or 'onnx'.")
+    files: Mapped[dict[str, Any]] = mapped_column(
+        comment="sha256 of each file by role: {xml, bin} or {onnx}. Stored at models/<sha256>."
+    )
+    size_bytes: Mapped[int] = mapped_column(BigInteger, comment="Total size of the files, bytes.")
+    name: Mapped[str] = mapped_column(
+        Text, comment="File name at first submission; for display only, not identity."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="First submission, UTC.")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        *sha256_checks("cache_key"),
+        CheckConstraint(
+            "state IN ({})".format(", ".join(f"'{s}'" for s in JOB_STATES)), name="state"
+        ),
+        Index(
+            "uq_jobs_active_cache_key",
+            "cache_key",
+            unique=True,
+            sqlite_where=text(_ACTIVE_SQL),
+            postgresql_where=text(_ACTIVE_SQL),
+        ),
+        Index("ix_jobs_state_target", "state", "target"),
+        {"comment": "A request to produce the blob of one cache key, and what became of it."},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="The job number users see.")
+    cache_key: Mapped[str] = mapped_column(
+        String(64), comment="The blob this job produces (caching hash v1)."
+    )
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"), comment="The model compiled.")
+    target: Mapped[str] = mapped_column(String(16), comment="'NPU.4000', 'CPU', ...")
+    spec: Mapped[dict[str, Any]] = mapped_column(comment="Canonical compile spec (DESIGN.md §5).")
+    toolchain: Mapped[dict[str, Any]] = mapped_column(
+        comment="Toolchain part of the cache key the blob must be produced with."
+    )
+    state: Mapped[str] = mapped_column(
+        String(16),
+        comment="queued → running → succeeded | failed | cancelled. Changes as the job runs.",
+    )
+    submitter: Mapped[str | None] = mapped_column(Text, comment="Who submitted (token name).")
+    submission_id: Mapped[str | None] = mapped_column(
+        Text, comment="Groups the jobs of one matrix submission."
+    )
+    attempts: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", comment="Times a worker claimed this job."
+    )
+    max_attempts: Mapped[int] = mapped_column(
+        Integer, default=3, server_default="3", comment="Claims allowed before it fails."
+    )
+    error: Mapped[str | None] = mapped_column(Text, comment="Why it failed: one line.")
+    log: Mapped[str | None] = mapped_column(
+        Text, comment="Properties used, toolchain, timings, and the compiler's output."
+    )
+    worker: Mapped[str | None] = mapped_column(Text, comment="Host that ran (or runs) it.")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        comment="A running job whose lease is past may be taken back. Renewed while compiling."
+    )
+    cancel_requested: Mapped[bool] = mapped_column(
+        Boolean, default=False, server_default=text("false"), comment="Set by `farm cancel`."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="Submitted, UTC.")
+    started_at: Mapped[datetime | None] = mapped_column(comment="Last claimed by a worker, UTC.")
+    finished_at: Mapped[datetime | None] = mapped_column(comment="Reached a final state, UTC.")
+    compile_seconds: Mapped[float | None] = mapped_column(
+        Float, comment="OpenVINO compile_model time, seconds (blob write excluded)."
+    )
+    export_seconds: Mapped[float | None] = mapped_column(
+        Float, comment="Time OpenVINO spent writing the blob, seconds."
+    )
+    peak_rss_bytes: Mapped[int | None] = mapped_column(
+        BigInteger, comment="Peak resident memory of the compiling process, bytes."
+    )
+
+
+class Blob(Base):
+    __tablename__ = "blobs"
+    __table_args__ = (
+        *sha256_checks("cache_key"),
+        *sha256_checks("sha256"),
+        {"comment": "A compiled blob in storage. Written once, after its upload is verified."},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    cache_key: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="Caching hash v1: the blob's identity."
+    )
+    job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id"), comment="The job that produced it."
+    )
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"), comment="Its model.")
+    target: Mapped[str] = mapped_column(String(16), comment="'NPU.4000', 'CPU', ...")
+    spec: Mapped[dict[str, Any]] = mapped_column(comment="Canonical compile spec.")
+    toolchain: Mapped[dict[str, Any]] = mapped_column(
+        comment="What produced it: openvino, openvino_build, npu_compiler, runtime_requirements."
+    )
+    openvino_version: Mapped[str] = mapped_column(
+        String(32), comment="OpenVINO release (X.Y.Z) that produced it (copy of toolchain)."
+    )
+    storage_key: Mapped[str] = mapped_column(Text, comment="Object key: blobs/<cache_key>.blob.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, comment="Size of the stored file, bytes.")
+    sha256: Mapped[str] = mapped_column(
+        String(64), comment="sha256 of the whole stored file, computed while it was written."
+    )
+    payload_offset: Mapped[int] = mapped_column(
+        Integer, comment="Bytes of OpenVINO cache header before the export payload."
+    )
+    weightless: Mapped[bool] = mapped_column(
+        Boolean, comment="True: no weights inside; the edge supplies the model's .bin."
+    )
+    compile_seconds: Mapped[float | None] = mapped_column(Float, comment="Compile time, s.")
+    export_seconds: Mapped[float | None] = mapped_column(Float, comment="Blob write time, s.")
+    created_at: Mapped[datetime] = mapped_column(comment="Recorded, UTC.")
+
+
+class Pull(Base):
+    __tablename__ = "pulls"
+    __table_args__ = (
+        *sha256_checks("cache_key"),
+        {"comment": "One edge download and import of a blob, as the edge reported it."},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    blob_id: Mapped[int] = mapped_column(ForeignKey("blobs.id"), comment="The blob pulled.")
+    cache_key: Mapped[str] = mapped_column(String(64), comment="Its cache key (copy, for SQL).")
+    agent_id: Mapped[str] = mapped_column(Text, comment="The edge agent that pulled it.")
+    import_seconds: Mapped[float | None] = mapped_column(
+        Float, comment="import_model time on the edge, seconds."
+    )
+    ok: Mapped[bool] = mapped_column(Boolean, comment="Imported successfully.")
+    error: Mapped[str | None] = mapped_column(Text, comment="Why the import failed.")
+    created_at: Mapped[datetime] = mapped_column(comment="Reported, UTC.")

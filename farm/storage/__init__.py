@@ -1,0 +1,92 @@
+"""Blob and model storage: one small interface, one class per URL scheme.
+
+Keys are relative, slash-separated: ``models/<sha256>``, ``blobs/<cache_key>.blob``.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+
+class StorageError(Exception):
+    """The store failed or holds something it should not (the caller may retry)."""
+
+
+class InvalidKey(StorageError, ValueError):
+    """A key that could escape the store's root or is not a plain relative path."""
+
+
+class ChecksumMismatch(StorageError):
+    """The bytes written or read do not have the sha256 they were expected to have."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    sha256: str
+
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_key(key: str) -> str:
+    """A key is slash-separated plain segments: no `..`, no absolute path, no odd bytes."""
+    segments = key.split("/")
+    if not key or any(s in ("", ".", "..") or not _SEGMENT.match(s) for s in segments):
+        raise InvalidKey(f"invalid storage key {key!r}")
+    return key
+
+
+class BlobStore(abc.ABC):
+    """Where model files and blobs live. Writes are all-or-nothing."""
+
+    @abc.abstractmethod
+    def put_file(
+        self, key: str, path: str | Path, expected_sha256: str | None = None
+    ) -> StoredObject:
+        """Store the file at `path` under `key`, hashing it on the way; refuse a mismatch."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, dest: str | Path) -> None:
+        """Copy the object to `dest`."""
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO: ...
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> StoredObject | None:
+        """Size and sha256 of the object, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def local_path(self, key: str) -> Path | None:
+        """The object's own file, when the store is a local folder (read it, never write it)."""
+        return None
+
+
+def _local(url: str) -> BlobStore:
+    from farm.storage.local import LocalStore
+
+    return LocalStore(url.removeprefix("file://"))
+
+
+_SCHEMES = {"file": _local}
+
+
+def open_store(url: str) -> BlobStore:
+    """`file:///path` or a bare path → LocalStore; other schemes from the registry."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme not in _SCHEMES:
+        raise StorageError(
+            f"unknown storage URL scheme {scheme!r} in {url!r}; known: {', '.join(_SCHEMES)}"
+        )
+    return _SCHEMES[scheme](url)

@@ -1,0 +1,81 @@
+"""A folder as blob store, for the embedded farm on one machine.
+
+Note: for one machine only; several hosts need S3 (`farm.storage.s3`). Objects are written to a
+temporary file in the same folder, flushed, then renamed into place, so a reader never sees a
+half-written object and a crash leaves at most a `.partial` file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+from farm.storage import BlobStore, ChecksumMismatch, StoredObject, check_key
+
+CHUNK_BYTES = 1 << 20
+
+
+class LocalStore(BlobStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / check_key(key)).resolve()
+        if not path.is_relative_to(self.root):
+            raise ValueError(f"storage key {key!r} escapes the store")
+        return path
+
+    def put_file(
+        self, key: str, path: str | Path, expected_sha256: str | None = None
+    ) -> StoredObject:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        size = 0
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".partial")
+        try:
+            with os.fdopen(handle, "wb") as sink, open(path, "rb") as source:
+                while chunk := source.read(CHUNK_BYTES):
+                    digest.update(chunk)
+                    sink.write(chunk)
+                    size += len(chunk)
+                sink.flush()
+                os.fsync(sink.fileno())
+            sha256 = digest.hexdigest()
+            if expected_sha256 is not None and sha256 != expected_sha256:
+                raise ChecksumMismatch(
+                    f"{path}: sha256 is {sha256}, expected {expected_sha256}; nothing stored"
+                )
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return StoredObject(key, size, sha256)
+
+    def get_file(self, key: str, dest: str | Path) -> None:
+        with self.open_read(key) as source, open(dest, "wb") as sink:
+            shutil.copyfileobj(source, sink, CHUNK_BYTES)
+
+    def open_read(self, key: str) -> BinaryIO:
+        return open(self._path(key), "rb")
+
+    def stat(self, key: str) -> StoredObject | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        from farm.hashing import sha256_file
+
+        return StoredObject(key, path.stat().st_size, sha256_file(path))
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)

@@ -1,0 +1,51 @@
+"""Shared fixtures: databases. A test that needs a service skips when it is down, except in
+CI (`CI=true`), where a missing service is a failure."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "FARM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def service_missing(what: str, error: Exception) -> None:
+    message = f"{what} is not available: {error}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test, dropped afterwards."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(POSTGRES_ADMIN_URL)
+    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"farm_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as connection:
+            connection.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as error:
+        service_missing("PostgreSQL", error)
+    yield admin.set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'farm.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request) -> str:
+    """Each test using this runs on both dialects."""
+    return request.getfixturevalue(f"{request.param}_url")

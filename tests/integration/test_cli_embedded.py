@@ -1,0 +1,171 @@
+"""The embedded farm through the real `farm` command: submit → pull → run, hits, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import models
+
+FARM = [sys.executable, "-m", "farm"]
+
+
+@pytest.fixture
+def farm_home(tmp_path) -> Path:
+    return tmp_path / "farm-home"
+
+
+def farm(farm_home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FARM_HOME": str(farm_home)}
+    for name in ("FARM_DATABASE_URL", "FARM_STORAGE_URL"):
+        env.pop(name, None)
+    result = subprocess.run(
+        [*FARM, *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"farm {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+def farm_json(farm_home: Path, *args: str) -> dict:
+    return json.loads(farm(farm_home, *args, "--json").stdout)
+
+
+def stored_files(farm_home: Path) -> list[str]:
+    store = farm_home / "store"
+    return sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
+
+
+def row_count(farm_home: Path, table: str) -> int:
+    import sqlite3
+
+    db = farm_home / "farm.db"
+    if not db.exists():
+        return 0
+    with sqlite3.connect(db) as connection:
+        return connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+@pytest.fixture
+def conv_xml(tmp_path) -> Path:
+    return models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+
+
+def test_submit_pull_run_and_a_second_submit_is_a_hit(farm_home, conv_xml, tmp_path):
+    first = farm_json(farm_home, "submit", str(conv_xml), "--device", "CPU")
+    assert first["outcome"] == "queued"
+    assert first["job"]["state"] == "succeeded"
+    assert first["job"]["compile_seconds"] > 0
+    key = first["cache_key"]
+    assert len(key) == 64
+
+    second = farm_json(farm_home, "submit", str(conv_xml), "--device", "cpu")
+    assert second == {"outcome": "hit", "cache_key": key}
+    assert row_count(farm_home, "jobs") == 1  # the hit compiled nothing
+
+    by_key = tmp_path / "by-key.blob"
+    pulled = farm_json(farm_home, "pull", key, "-o", str(by_key))
+    assert pulled["sha256"] and by_key.stat().st_size == pulled["size_bytes"]
+
+    by_model = tmp_path / "by-model.blob"
+    farm(farm_home, "pull", str(conv_xml), "--device", "CPU", "-o", str(by_model))
+    assert by_model.read_bytes() == by_key.read_bytes()
+
+    ran = farm_json(farm_home, "run", str(by_key), "--device", "CPU")
+    assert ran["outputs"] == {"output0": [1, 8]} or list(ran["outputs"].values()) == [[1, 8]]
+    assert ran["import_seconds"] > 0
+
+    human = farm(farm_home, "run", str(by_key), "--device", "CPU").stdout
+    assert "imported by-key.blob on CPU in" in human
+
+    status = farm_json(farm_home, "status", key)
+    assert status["blob"]["cache_key"] == key and status["job"]["state"] == "succeeded"
+    assert farm_json(farm_home, "status", str(first["job"]["id"]))["state"] == "succeeded"
+    listed = json.loads(farm(farm_home, "blobs", "--json").stdout)
+    assert [row["cache_key"] for row in listed] == [key]
+
+
+def test_different_specs_are_different_blobs(farm_home, tmp_path):
+    xml = models.save_ir(models.dynamic_net(), tmp_path / "dyn" / "dyn.xml")
+    a = farm_json(farm_home, "submit", str(xml), "-d", "CPU", "--shape", "image[1,3,16,16]")
+    b = farm_json(farm_home, "submit", str(xml), "-d", "CPU", "--batch", "2", "--layout", "NCHW")
+    assert a["cache_key"] != b["cache_key"]
+    assert a["job"]["state"] == b["job"]["state"] == "succeeded"
+    assert row_count(farm_home, "blobs") == 2
+
+
+def test_npu_submit_names_the_missing_compiler_and_stores_nothing(farm_home, conv_xml):
+    result = farm(farm_home, "submit", str(conv_xml), "-d", "4000", "--tiles", "2", check=False)
+    assert result.returncode == 4
+    assert "libopenvino_intel_npu_compiler_loader.so" in result.stderr
+    assert row_count(farm_home, "jobs") == 0 and row_count(farm_home, "blobs") == 0
+    assert stored_files(farm_home) == []
+
+
+def _bad_inputs(tmp_path: Path, conv_xml: Path) -> dict[str, tuple[list[str], str]]:
+    no_bin = models.save_ir(models.conv_net(), tmp_path / "nobin" / "m.xml")
+    no_bin.with_suffix(".bin").unlink()
+    truncated = models.save_ir(models.conv_net(), tmp_path / "trunc" / "m.xml")
+    weights = truncated.with_suffix(".bin")
+    weights.write_bytes(weights.read_bytes()[:100])
+    malformed = models.save_ir(models.conv_net(), tmp_path / "malformed" / "m.xml")
+    malformed.write_text("<net><layers><layer id='0'")
+    not_model = tmp_path / "notes.txt"
+    not_model.write_text("hello")
+    fake_onnx = tmp_path / "fake.onnx"
+    fake_onnx.write_bytes(os.urandom(256))
+    model = str(conv_xml)
+    return {
+        "missing .bin": ([str(no_bin), "-d", "CPU"], "weights file does not exist"),
+        "truncated .bin": ([str(truncated), "-d", "CPU"], "Incorrect weights in bin file"),
+        "malformed xml": ([str(malformed), "-d", "CPU"], "cannot read model"),
+        "not a model": ([str(not_model), "-d", "CPU"], "not a model"),
+        "garbage onnx": ([str(fake_onnx), "-d", "CPU"], "cannot read model"),
+        "unknown device": ([model, "-d", "GPU"], "known devices: NPU.3720"),
+        "tiles over max": ([model, "-d", "4000", "--tiles", "7"], "1 to 6"),
+        "malformed shape": ([model, "-d", "CPU", "--shape", "x[1,three]"], "positive integer"),
+        "unknown input": ([model, "-d", "CPU", "--shape", "y[1,3,32,32]"], "no input 'y'"),
+        "unknown compiler parameter": (
+            [model, "-d", "4000", "--compiler-params", "turbo=on"],
+            "unknown compiler parameter 'turbo'",
+        ),
+        "unknown property": ([model, "-d", "CPU", "--config", "NUM_STREAM=2"], "not allowed"),
+    }
+
+
+def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_stored(
+    farm_home, conv_xml, tmp_path
+):
+    for case, (args, message) in _bad_inputs(tmp_path, conv_xml).items():
+        result = farm(farm_home, "submit", *args, check=False)
+        assert result.returncode == 2, (case, result.returncode, result.stderr)
+        assert message in result.stderr, (case, result.stderr)
+        assert result.stderr.startswith("farm: error: "), (case, result.stderr)
+        assert "Traceback" not in result.stderr, case
+    assert row_count(farm_home, "jobs") == 0
+    assert row_count(farm_home, "models") == 0
+    assert stored_files(farm_home) == []
+
+
+def test_pull_of_an_unknown_key_is_not_found(farm_home, tmp_path):
+    result = farm(farm_home, "pull", "a" * 64, "-o", str(tmp_path / "x.blob"), check=False)
+    assert result.returncode == 3
+    assert "no blob for cache key" in result.stderr
+    assert not (tmp_path / "x.blob").exists()
+
+
+def test_status_of_garbage_is_bad_input(farm_home):
+    result = farm(farm_home, "status", "not-a-key", check=False)
+    assert result.returncode == 2 and "neither a job number nor" in result.stderr
+
+
+def test_run_refuses_a_file_that_is_not_a_blob(farm_home, tmp_path):
+    junk = tmp_path / "junk.blob"
+    junk.write_bytes(b"\x00" * 64)
+    result = farm(farm_home, "run", str(junk), "--device", "CPU", check=False)
+    assert result.returncode == 2 and "not an OpenVINO compiled blob" in result.stderr

@@ -1,0 +1,239 @@
+"""compiler.py with the real OpenVINO: CPU round trips, and the NPU path up to the compiler."""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from farm import compiler
+from farm.blobformat import BlobFormatError, read_header
+from farm.edge import import_blob, infer_once
+from farm.hashing import model_files
+from farm.spec import CompileSpec, Target
+from tests import models
+
+
+def ir(tmp_path, model: ov.Model, name: str = "model"):
+    return model_files(models.save_ir(model, tmp_path / "models" / f"{name}.xml"))
+
+
+def compile_cpu(tmp_path, files, **spec):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    return compiler.compile_to_file(files, CompileSpec.create("CPU", **spec), out, "k" * 64)
+
+
+@pytest.mark.parametrize(
+    ("build", "spec"),
+    [
+        (models.conv_net, {}),
+        (models.transformer_block, {"performance_hint": "latency"}),
+        (models.dynamic_net, {"shapes": ["image[2,3,16,16]"]}),
+        (models.dynamic_net, {"batch": 3, "layout": ["image:NCHW"]}),
+    ],
+    ids=["conv", "transformer", "dynamic-reshaped", "dynamic-batched"],
+)
+def test_cpu_compile_export_import_round_trip(tmp_path, build, spec):
+    model = build()
+    files = ir(tmp_path, model)
+    result = compile_cpu(tmp_path, files, **spec)
+
+    assert result.blob_path.is_file()
+    assert result.size_bytes == result.blob_path.stat().st_size
+    assert result.toolchain.openvino == compiler.openvino_release()
+    assert result.toolchain.runtime_requirements.startswith("meta=")
+    assert result.toolchain.npu_compiler is None
+    assert result.compile_seconds > 0 and result.export_seconds >= 0
+    assert result.peak_rss_bytes > 10 * 2**20
+
+    # The payload after the cache header is exactly what export_model() gives.
+    payload = result.blob_path.read_bytes()[result.payload_offset :]
+    assert payload[:8] == b"RR_UPCVO"  # "OVCPU_RR" as a little-endian magic
+
+    imported = import_blob(result.blob_path, "CPU")
+    reference = ov.Core().read_model(str(files["xml"]), str(files["bin"]))
+    compiler.apply_shapes(reference, CompileSpec.create("CPU", **spec))
+    expected_shapes = [str(port.get_partial_shape()) for port in reference.inputs]
+    got_shapes = [str(port.get_partial_shape()) for port in imported.compiled.inputs]
+    assert got_shapes == expected_shapes
+    assert infer_once(imported)["latency_seconds"] > 0
+
+
+def test_imported_blob_computes_what_the_model_computes(tmp_path):
+    model = models.conv_net(seed=3)
+    files = ir(tmp_path, model)
+    result = compile_cpu(tmp_path, files)
+    data = np.random.default_rng(1).random((1, 3, 32, 32), dtype=np.float32)
+    expected = ov.Core().compile_model(model, "CPU")(data)[0]
+    got = import_blob(result.blob_path, "CPU").compiled(data)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_weightless_blob_is_small_and_imports_with_the_models_bin(tmp_path):
+    files = ir(tmp_path, models.transformer_block(width=64))
+    full = compile_cpu(tmp_path, files)
+    (tmp_path / "out2").mkdir()
+    light = compiler.compile_to_file(
+        files, CompileSpec.create("CPU", weightless=True), tmp_path / "out2", "w" * 64
+    )
+    assert light.properties["CACHE_MODE"] == "OPTIMIZE_SIZE"
+    assert light.size_bytes < full.size_bytes / 2
+    data = np.random.default_rng(0).random((1, 16, 32 * 2), dtype=np.float32)
+    expected = import_blob(full.blob_path, "CPU").compiled(data)[0]
+    got = import_blob(light.blob_path, "CPU", weights_path=files["bin"]).compiled(data)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_compile_refuses_a_folder_that_already_holds_the_blob(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    compile_cpu(tmp_path, files)
+    with pytest.raises(FileExistsError):
+        compile_cpu(tmp_path, files)
+
+
+def test_onnx_is_read(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Relu", ["x"], ["y"])
+    graph = helper.make_graph(
+        [node],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph), path)
+    result = compile_cpu(tmp_path, model_files(path))
+    assert import_blob(result.blob_path, "CPU").compiled.inputs[0].get_any_name() == "x"
+
+
+# --- bad input: each is a ModelError with a message a person can act on -------------------
+
+
+def test_truncated_weights_are_a_model_error(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    data = files["bin"].read_bytes()
+    files["bin"].write_bytes(data[: len(data) // 2])
+    with pytest.raises(compiler.ModelError, match="Incorrect weights in bin file"):
+        compiler.check_model(files, CompileSpec.create("CPU"))
+
+
+@pytest.mark.parametrize(
+    "content", [b"<net><layers>", b"", b"\x00\xff garbage"], ids=["malformed", "empty", "binary"]
+)
+def test_unreadable_xml_is_a_model_error(tmp_path, content):
+    files = ir(tmp_path, models.conv_net())
+    files["xml"].write_bytes(content)
+    with pytest.raises(compiler.ModelError, match="cannot read model"):
+        compiler.check_model(files, CompileSpec.create("CPU"))
+
+
+def test_shape_for_a_missing_input_names_the_real_inputs(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    spec = CompileSpec.create("CPU", shapes=["nope[1,3,32,32]"])
+    with pytest.raises(compiler.ModelError, match=r"no input 'nope'.*its inputs are: x"):
+        compiler.check_model(files, spec)
+
+
+def test_bare_shape_needs_a_single_input_model(tmp_path):
+    files = ir(tmp_path, models.two_input_net())
+    with pytest.raises(compiler.ModelError, match="2 inputs"):
+        compiler.check_model(files, CompileSpec.create("CPU", shapes=["[1,8]"]))
+
+
+def test_shape_of_the_wrong_rank_is_a_model_error(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    with pytest.raises(compiler.ModelError, match="cannot reshape"):
+        compiler.check_model(files, CompileSpec.create("CPU", shapes=["x[1,3]"]))
+
+
+def test_batch_without_a_known_layout_asks_for_layout(tmp_path):
+    files = ir(tmp_path, models.dynamic_net())
+    with pytest.raises(compiler.ModelError, match="--layout"):
+        compiler.check_model(files, CompileSpec.create("CPU", batch=2))
+
+
+def test_batch_goes_on_the_layouts_axis_not_axis_zero(tmp_path):
+    model = models.dynamic_net()
+    files = ir(tmp_path, model)
+    # Declare the batch on axis 2: the layout, not a convention, decides.
+    spec = CompileSpec.create("CPU", batch=5, layout=["image:CHN?"])
+    assert compiler.check_model(files, spec) == ["image[?,3,5,?]"]
+
+
+# --- NPU: everything up to the compiler call ----------------------------------------------
+
+
+def test_npu_properties_are_built_from_the_spec():
+    spec = CompileSpec.create(
+        "4000",
+        tiles=4,
+        performance_hint="throughput",
+        compiler_params="performance-hint-override=latency optimization-level=2",
+        weightless=True,
+        config=["NPU_BATCH_MODE=plugin"],
+    )
+    assert compiler.compile_properties(spec) == {
+        "NPU_PLATFORM": "4000",
+        "NPU_MAX_TILES": "6",
+        "NPU_TILES": "4",
+        "NPU_COMPILATION_MODE_PARAMS": "optimization-level=2 performance-hint-override=latency",
+        "PERFORMANCE_HINT": "THROUGHPUT",
+        "CACHE_MODE": "OPTIMIZE_SIZE",
+        "NPU_BATCH_MODE": "PLUGIN",
+    }
+
+
+def test_cpu_properties_carry_no_npu_keys():
+    spec = CompileSpec.create("CPU", performance_hint="latency")
+    assert compiler.compile_properties(spec) == {"PERFORMANCE_HINT": "LATENCY"}
+
+
+def test_npu_rejects_a_dynamic_model_naming_each_dynamic_dimension(tmp_path):
+    files = ir(tmp_path, models.dynamic_net())
+    with pytest.raises(compiler.ModelError) as caught:
+        compiler.check_model(files, CompileSpec.create("NPU.4000"))
+    message = str(caught.value)
+    assert "NPU.4000 needs static shapes" in message
+    assert "image[?,3,?,?] (dimension 0, 2, 3)" in message
+    assert "--shape image[" in message
+
+
+def test_npu_compile_without_the_compiler_names_the_missing_library(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    (tmp_path / "out").mkdir()
+    spec = CompileSpec.create("NPU.4000", tiles=2)
+    assert compiler.check_model(files, spec) == ["x[1,3,32,32]"]
+    with pytest.raises(compiler.CompilerUnavailable, match=compiler.NPU_COMPILER_LIBRARY):
+        compiler.compile_to_file(files, spec, tmp_path / "out", "n" * 64)
+    assert list((tmp_path / "out").iterdir()) == []  # no blob, and certainly no CPU blob
+
+
+def test_npu_driver_compiler_without_a_device_says_so(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    (tmp_path / "out").mkdir()
+    spec = CompileSpec.create("NPU.3720", config=["NPU_COMPILER_TYPE=DRIVER"])
+    with pytest.raises(compiler.CompilerUnavailable, match="no NPU device"):
+        compiler.compile_to_file(files, spec, tmp_path / "out", "d" * 64)
+
+
+def test_probe_compiles_cpu_and_reports_why_npu_cannot():
+    probe = compiler.probe_targets()
+    assert probe["CPU"] is None
+    for name in ("NPU.3720", "NPU.4000", "NPU.5010", "NPU.5020"):
+        assert compiler.NPU_COMPILER_LIBRARY in probe[name]
+
+
+def test_host_toolchain_for_cpu_matches_what_a_compile_records(tmp_path):
+    files = ir(tmp_path, models.conv_net())
+    result = compile_cpu(tmp_path, files)
+    assert compiler.host_toolchain(Target.parse("CPU")) == result.toolchain
+
+
+def test_a_file_that_is_not_a_blob_is_refused(tmp_path):
+    path = tmp_path / "x.blob"
+    path.write_bytes(b"not a blob at all")
+    with pytest.raises(BlobFormatError):
+        read_header(path)
