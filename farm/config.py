@@ -18,6 +18,37 @@ class Settings(BaseSettings):
     storage_url: str | None = None
     """``s3://bucket/prefix`` or a folder; default ``<home>/store``."""
 
+    broker_url: str | None = None
+    """Redis URL of the Celery broker. Set: served mode (jobs go to workers)."""
+    s3_endpoint_url: str | None = None
+    """S3 endpoint for SeaweedFS/MinIO; unset means AWS S3."""
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None
+    """Unset: boto3's standard credential chain (AWS_* variables, profile, instance role)."""
+    s3_secret_access_key: str | None = None
+    s3_checksums: str = "when_supported"
+    """boto3 request checksums; 'when_required' for stores that reject them."""
+    large_model_bytes: int = 2 * 2**30
+    """Models larger than this go to the `.large` queue of each target."""
+    worker_memory_bytes: int | None = None
+    """Memory this worker offers; default: the host's. `.large` queues need large_worker_bytes."""
+    large_worker_bytes: int = 16 * 2**30
+    """A worker consumes `.large` queues only with at least this much memory."""
+    lease_seconds: int = 120
+    """A running job's lease; its worker renews it every third of this while compiling."""
+    max_run_seconds: int = 3 * 3600
+    """Hard time limit of one compile."""
+    max_queue_seconds: int = 24 * 3600
+    """A job queued longer than this fails (no worker took it)."""
+    resend_after_seconds: int = 300
+    """The reconciler re-sends a queued job's message after this long without a claim."""
+    worker_heartbeat_seconds: int = 30
+    """How often a worker updates its row in `workers`; 3 missed beats and it counts as gone."""
+
+    @property
+    def served(self) -> bool:
+        return self.broker_url is not None
+
     @cached_property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home.resolve() / 'farm.db'}"

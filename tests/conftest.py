@@ -49,3 +49,46 @@ def sqlite_url(tmp_path) -> str:
 def database_url(request) -> str:
     """Each test using this runs on both dialects."""
     return request.getfixturevalue(f"{request.param}_url")
+
+
+S3_ENDPOINT_URL = os.environ.get("FARM_TEST_S3_ENDPOINT_URL", "http://127.0.0.1:8333")
+S3_CREDENTIALS = {"access_key_id": "farm", "secret_access_key": "farm-secret"}
+REDIS_URL = os.environ.get("FARM_TEST_REDIS_URL", "redis://127.0.0.1:6390")
+
+
+@pytest.fixture
+def s3_url() -> str:
+    """A storage URL with a prefix of its own in the test bucket."""
+    return f"s3://farm/test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3_store(s3_url):
+    from farm.storage import StorageError
+    from farm.storage.s3 import S3Settings, S3Store
+
+    store = S3Store(S3Settings.from_url(s3_url, endpoint_url=S3_ENDPOINT_URL, **S3_CREDENTIALS))
+    try:
+        store.check()
+    except StorageError as error:
+        service_missing("SeaweedFS (scripts/services up)", error)
+    return store
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A Redis database number of its own, flushed before and after."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.ConnectionError as error:
+        service_missing("Redis (scripts/services up)", error)
+    number = 1 + uuid.uuid4().int % 15
+    db = redis.Redis.from_url(f"{REDIS_URL}/{number}")
+    db.flushdb()
+    yield f"{REDIS_URL}/{number}"
+    db.flushdb()
+    client.close()
+    db.close()

@@ -9,7 +9,10 @@ import abc
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from farm.config import Settings
 
 
 class StorageError(Exception):
@@ -72,21 +75,40 @@ class BlobStore(abc.ABC):
         """The object's own file, when the store is a local folder (read it, never write it)."""
         return None
 
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise StorageError with one line naming the setting to fix if the store is unusable."""
 
-def _local(url: str) -> BlobStore:
+
+def _local(url: str, settings: Settings | None) -> BlobStore:
     from farm.storage.local import LocalStore
 
     return LocalStore(url.removeprefix("file://"))
 
 
-_SCHEMES = {"file": _local}
+def _s3(url: str, settings: Settings | None) -> BlobStore:
+    from farm.storage.s3 import S3Settings, S3Store
+
+    options = {}
+    if settings is not None:
+        options = {
+            "endpoint_url": settings.s3_endpoint_url,
+            "region": settings.s3_region,
+            "access_key_id": settings.s3_access_key_id,
+            "secret_access_key": settings.s3_secret_access_key,
+            "checksums": settings.s3_checksums,
+        }
+    return S3Store(S3Settings.from_url(url, **options))
 
 
-def open_store(url: str) -> BlobStore:
-    """`file:///path` or a bare path → LocalStore; other schemes from the registry."""
+_SCHEMES = {"file": _local, "s3": _s3}
+
+
+def open_store(url: str, settings: Settings | None = None) -> BlobStore:
+    """`file:///path` or a bare path → LocalStore, `s3://bucket/prefix` → S3Store."""
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     if scheme not in _SCHEMES:
         raise StorageError(
             f"unknown storage URL scheme {scheme!r} in {url!r}; known: {', '.join(_SCHEMES)}"
         )
-    return _SCHEMES[scheme](url)
+    return _SCHEMES[scheme](url, settings)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from farm.storage import BlobStore, ChecksumMismatch, StoredObject, check_key
+from farm.storage import BlobStore, ChecksumMismatch, StorageError, StoredObject, check_key
 
 CHUNK_BYTES = 1 << 20
 
@@ -79,3 +79,11 @@ class LocalStore(BlobStore):
 
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise StorageError(
+                f"cannot use {self.root} as store (FARM_STORAGE_URL): {error}"
+            ) from error

@@ -1,0 +1,116 @@
+"""S3Store against a real SeaweedFS: write-once, digests, multipart, ranges, presigned URLs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import urllib.request
+from datetime import timedelta
+
+import pytest
+
+from farm.storage import ChecksumMismatch, InvalidKey
+from farm.storage.s3 import PART_BYTES, S3Settings
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_small_object_round_trip_with_sha256_metadata(s3_store, tmp_path):
+    data = b"model weights" * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    stored = s3_store.put_file(f"models/{digest}", write(tmp_path / "a", data))
+    assert (stored.size, stored.sha256) == (len(data), digest)
+    assert s3_store.stat(f"models/{digest}") == stored  # digest read back from the metadata
+    s3_store.get_file(f"models/{digest}", tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == data
+    assert s3_store.read_range(f"models/{digest}", 6, 12).read() == data[6:13]
+
+
+def test_multipart_upload_of_a_big_file(s3_store, tmp_path):
+    data = os.urandom(2 * PART_BYTES + 12345)
+    digest = hashlib.sha256(data).hexdigest()
+    stored = s3_store.put_file("blobs/big.blob", write(tmp_path / "big", data))
+    assert stored.sha256 == digest and stored.size == len(data)
+    assert s3_store.stat("blobs/big.blob").sha256 == digest
+    s3_store.get_file("blobs/big.blob", tmp_path / "back")
+    assert hashlib.sha256((tmp_path / "back").read_bytes()).hexdigest() == digest
+
+
+def test_write_once_same_bytes_is_fine_other_bytes_conflict(s3_store, tmp_path):
+    first = s3_store.put_file("blobs/k.blob", write(tmp_path / "a", b"one"))
+    assert s3_store.put_file("blobs/k.blob", tmp_path / "a") == first  # 412, same sha256
+    with pytest.raises(ChecksumMismatch, match="write-once"):
+        s3_store.put_file("blobs/k.blob", write(tmp_path / "b", b"two"))
+    s3_store.get_file("blobs/k.blob", tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == b"one"
+
+
+def test_write_once_holds_for_multipart_too(s3_store, tmp_path):
+    s3_store.put_file("blobs/m.blob", write(tmp_path / "a", os.urandom(PART_BYTES + 1)))
+    with pytest.raises(ChecksumMismatch):
+        s3_store.put_file("blobs/m.blob", write(tmp_path / "b", os.urandom(PART_BYTES + 1)))
+    assert s3_store.abort_stale_uploads(timedelta(0)) == []  # the refused upload was aborted
+
+
+@pytest.mark.parametrize("size", [10, PART_BYTES + 10], ids=["single", "multipart"])
+def test_a_wrong_expected_digest_stores_nothing(s3_store, tmp_path, size):
+    path = write(tmp_path / "a", os.urandom(size))
+    with pytest.raises(ChecksumMismatch):
+        s3_store.put_file("models/x", path, expected_sha256="0" * 64)
+    assert not s3_store.exists("models/x")
+    assert s3_store.abort_stale_uploads(timedelta(0)) == []
+
+
+def test_presigned_url_serves_the_object_and_ranges(s3_store, tmp_path):
+    s3_store.put_file("blobs/p.blob", write(tmp_path / "a", b"0123456789"))
+    url = s3_store.presigned_url("blobs/p.blob", expires_seconds=60)
+    assert urllib.request.urlopen(url).read() == b"0123456789"
+    ranged = urllib.request.Request(url, headers={"Range": "bytes=3-5"})
+    assert urllib.request.urlopen(ranged).read() == b"345"
+
+
+def test_stale_multipart_uploads_are_aborted(s3_store):
+    client, key = s3_store.client, s3_store._key("blobs/stale.blob")
+    upload = client.create_multipart_upload(Bucket=s3_store.bucket, Key=key)
+    assert s3_store.abort_stale_uploads(timedelta(hours=1)) == []  # too young
+    assert s3_store.abort_stale_uploads(timedelta(0)) == [key]
+    uploads = client.list_multipart_uploads(Bucket=s3_store.bucket, Prefix=key).get("Uploads", [])
+    assert upload["UploadId"] not in [u["UploadId"] for u in uploads]
+
+
+def test_missing_objects_and_bad_keys(s3_store):
+    assert s3_store.stat("blobs/none") is None and not s3_store.exists("blobs/none")
+    with pytest.raises(InvalidKey):
+        s3_store.stat("../escape")
+
+
+def test_broken_configuration_names_the_setting(s3_store):
+    from farm.storage import StorageError
+    from farm.storage.s3 import S3Store
+
+    endpoint = s3_store.settings.endpoint_url
+    cases = {
+        "does not exist": S3Settings(
+            "no-such-bucket",
+            endpoint_url=endpoint,
+            access_key_id="farm",
+            secret_access_key="farm-secret",
+        ),
+        "refused the credentials": S3Settings(
+            "farm", endpoint_url=endpoint, access_key_id="farm", secret_access_key="wrong"
+        ),
+        "FARM_S3_ENDPOINT_URL": S3Settings(
+            "farm", endpoint_url="http://127.0.0.1:9", access_key_id="x", secret_access_key="y"
+        ),
+    }
+    for message, settings in cases.items():
+        with pytest.raises(StorageError, match=message):
+            S3Store(settings).check()
+
+
+def test_storage_url_parsing():
+    assert S3Settings.from_url("s3://bucket/a/b/").prefix == "a/b/"
+    assert S3Settings.from_url("s3://bucket").prefix == ""
