@@ -1,4 +1,4 @@
-"""The embedded farm: database session and blob store from settings, on this machine."""
+"""The farm as this process sees it: settings, database sessions, blob store, dispatcher."""
 
 from __future__ import annotations
 
@@ -29,10 +29,22 @@ class LocalFarm:
         return cls(
             settings=settings,
             sessions=make_session_factory(make_engine(url)),
-            store=open_store(settings.resolved_storage_url),
+            store=open_store(settings.resolved_storage_url, settings),
         )
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         with self.sessions() as session:
             yield session
+
+    def run(self, job_id: int):
+        """Compile a job in this process's child (the embedded farm's worker)."""
+        from farm.runner import RunLimits, run_job
+
+        limits = RunLimits(self.settings.lease_seconds, self.settings.max_run_seconds)
+        return run_job(self.sessions, self.store, job_id, limits=limits)
+
+    def dispatcher(self):
+        from farm.dispatch import Dispatcher
+
+        return Dispatcher(self.settings)

@@ -107,6 +107,13 @@ class Job(Base):
     )
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id"), comment="The model compiled.")
     target: Mapped[str] = mapped_column(String(16), comment="'NPU.4000', 'CPU', ...")
+    queue: Mapped[str] = mapped_column(
+        String(64),
+        default="embedded",
+        server_default="embedded",
+        comment="Celery queue it is sent to ('compile.npu.4000', 'compile.cpu.large'), "
+        "or 'embedded' when compiled in the submitting process.",
+    )
     spec: Mapped[dict[str, Any]] = mapped_column(comment="Canonical compile spec (DESIGN.md §5).")
     toolchain: Mapped[dict[str, Any]] = mapped_column(
         comment="Toolchain part of the cache key the blob must be produced with."
@@ -137,6 +144,9 @@ class Job(Base):
         Boolean, default=False, server_default=text("false"), comment="Set by `farm cancel`."
     )
     created_at: Mapped[datetime] = mapped_column(comment="Submitted, UTC.")
+    sent_at: Mapped[datetime | None] = mapped_column(
+        comment="Last time its message was sent to the queue (the reconciler re-sends), UTC."
+    )
     started_at: Mapped[datetime | None] = mapped_column(comment="Last claimed by a worker, UTC.")
     finished_at: Mapped[datetime | None] = mapped_column(comment="Reached a final state, UTC.")
     compile_seconds: Mapped[float | None] = mapped_column(
@@ -207,3 +217,25 @@ class Pull(Base):
     ok: Mapped[bool] = mapped_column(Boolean, comment="Imported successfully.")
     error: Mapped[str | None] = mapped_column(Text, comment="Why the import failed.")
     created_at: Mapped[datetime] = mapped_column(comment="Reported, UTC.")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    __table_args__ = ({"comment": "Compile workers: what each serves, and when it was last seen."},)
+
+    name: Mapped[str] = mapped_column(
+        String(255), primary_key=True, comment="Celery node name (worker@host)."
+    )
+    host: Mapped[str] = mapped_column(Text, comment="Host name.")
+    pid: Mapped[int] = mapped_column(Integer, comment="Main process id on the host.")
+    targets: Mapped[dict[str, Any]] = mapped_column(
+        comment="Target → null if it compiles here, else why not (the start-up probe)."
+    )
+    queues: Mapped[list[str]] = mapped_column(JSON, comment="Queues it consumes.")
+    openvino_version: Mapped[str] = mapped_column(String(64), comment="OpenVINO full build.")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, comment="Memory it offers, bytes.")
+    started_at: Mapped[datetime] = mapped_column(comment="Started, UTC.")
+    heartbeat_at: Mapped[datetime] = mapped_column(
+        comment="Last heartbeat, UTC. Updated every FARM_WORKER_HEARTBEAT_SECONDS while alive."
+    )
+    stopped_at: Mapped[datetime | None] = mapped_column(comment="Clean shutdown, UTC.")

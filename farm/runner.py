@@ -1,0 +1,277 @@
+"""Running one job: claim it with a lease, compile in a child process, store, record.
+
+Used by Celery workers and by the embedded CLI alike. The job row is the truth (DESIGN.md §6):
+a claim is a conditional UPDATE, so a duplicated delivery finds the job taken or finished and
+does nothing; the lease is renewed while compiling, so a dead worker's job can be taken back;
+the blob row and `succeeded` are written in one transaction after the blob is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from farm.db.models import Blob, Job, Model
+from farm.service import blob_storage_key, model_storage_key, now
+from farm.spec import CompileSpec, Target, Toolchain
+from farm.storage import BlobStore
+
+log = logging.getLogger(__name__)
+
+
+CANCEL_POLL_SECONDS = 2.0
+"""How often a running job's worker looks for a cancel request (and renews the lease)."""
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    lease_seconds: int = 120
+    max_run_seconds: int = 3 * 3600
+
+
+def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
+    """Take a queued job, or a running one whose lease has expired. False: not ours to run."""
+    at = now()
+    claimable = (Job.state == "queued") | ((Job.state == "running") & (Job.lease_expires_at < at))
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            claimable,
+            Job.cancel_requested.is_(False),
+            Job.attempts < Job.max_attempts,
+        )
+        .values(
+            state="running",
+            worker=worker,
+            started_at=at,
+            lease_expires_at=at + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+        )
+    )
+    session.commit()
+    return result.rowcount == 1
+
+
+def run_job(
+    sessions: sessionmaker[Session],
+    store: BlobStore,
+    job_id: int,
+    *,
+    worker: str | None = None,
+    limits: RunLimits = RunLimits(),
+    work_root: Path | None = None,
+) -> Job:
+    """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
+
+    Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
+    database) put the job back in the queue and propagate, for the caller to retry.
+    """
+    worker = worker or socket.gethostname()
+    with sessions() as session:
+        if not claim(session, job_id, worker, limits.lease_seconds):
+            return session.get(Job, job_id)
+        job = session.get(Job, job_id)
+        model_row = session.get(Model, job.model_id)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"farm-job-{job_id}-", dir=work_root))
+    lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
+    try:
+        with lease:
+            outcome = _compile_and_store(job, model_row, store, work_dir, lease, limits)
+        with sessions() as session:
+            return outcome(session)
+    except Exception:
+        _release(sessions, job_id, worker)
+        raise
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _compile_and_store(job, model_row, store, work_dir, lease, limits):
+    """Returns a function that records the outcome in a session (so recording is one place)."""
+    from farm import compiler
+    from farm.sandbox import CompileCancelled, CompileTimeout, compile_in_child
+
+    spec = CompileSpec.from_canonical(job.target, job.spec)
+    files = _fetch_model(store, model_row, work_dir)
+    try:
+        result, output = compile_in_child(
+            files,
+            spec,
+            work_dir / "out",
+            job.cache_key,
+            timeout_seconds=limits.max_run_seconds,
+            should_stop=lease.should_stop,
+        )
+        _check_toolchain(job, result.toolchain, spec.target)
+    except CompileCancelled:
+        return lambda session: _finish(session, job, "cancelled", error="cancelled while running")
+    except (CompileTimeout, compiler.CompileError, compiler.CompilerUnavailable) as error:
+        message = str(error)  # `error` itself is unbound when the except block ends
+        return lambda session: _finish(session, job, "failed", error=message)
+    stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
+    return lambda session: _record_blob(session, job, model_row, result, stored, output)
+
+
+def _fetch_model(store: BlobStore, model_row: Model, work_dir: Path) -> dict[str, Path]:
+    """Model files as paths the compiler can read: the store's own files when it is local."""
+    suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
+    files = {}
+    for role, sha in model_row.files.items():
+        key = model_storage_key(sha)
+        local = store.local_path(key)
+        if local is None:
+            local = work_dir / f"model{suffix[role]}"
+            store.get_file(key, local)
+        files[role] = local
+    return files
+
+
+def _check_toolchain(job: Job, produced: Toolchain, target: Target) -> None:
+    """Never record a blob under a key whose toolchain is not the one that produced it."""
+    from farm.compiler import CompileError
+
+    if produced.key_part(target) != job.toolchain:
+        raise CompileError(
+            f"this host's toolchain {produced.key_part(target)} differs from the job's "
+            f"{job.toolchain}; the job must run on a host with that toolchain"
+        )
+
+
+def _finish(session: Session, job: Job, state: str, error: str, log_text: str | None = None):
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state == "running", Job.worker == job.worker)
+        .values(
+            state=state,
+            error=error,
+            log=log_text or error,
+            finished_at=now(),
+            lease_expires_at=None,
+        )
+    )
+    session.commit()
+    return session.get(Job, job.id, populate_existing=True)
+
+
+def _record_blob(session: Session, job: Job, model_row: Model, result, stored, output: str):
+    timings = {"compile_seconds": result.compile_seconds, "export_seconds": result.export_seconds}
+    at = now()
+    # A blob may already exist if a job whose lease we took back finished after all: then the
+    # store refused our write unless the bytes were equal, and one row is enough.
+    if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
+        session.add(
+            Blob(
+                cache_key=job.cache_key,
+                job_id=job.id,
+                model_id=model_row.id,
+                target=job.target,
+                spec=job.spec,
+                toolchain=result.toolchain.as_dict(),
+                openvino_version=result.toolchain.openvino,
+                storage_key=blob_storage_key(job.cache_key),
+                size_bytes=stored.size,
+                sha256=stored.sha256,
+                payload_offset=result.payload_offset,
+                weightless=bool(job.spec.get("weightless")),
+                created_at=at,
+                **timings,
+            )
+        )
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id)
+        .values(
+            state="succeeded",
+            finished_at=at,
+            lease_expires_at=None,
+            peak_rss_bytes=result.peak_rss_bytes,
+            log=_job_log(result, output),
+            **timings,
+        )
+    )
+    session.commit()
+    return session.get(Job, job.id, populate_existing=True)
+
+
+def _release(sessions: sessionmaker[Session], job_id: int, worker: str) -> None:
+    """Hand an interrupted job back to the queue; if the database is down, its lease expires."""
+    try:
+        with sessions() as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "running", Job.worker == worker)
+                .values(state="queued", lease_expires_at=None)
+            )
+            session.commit()
+    except Exception:
+        log.warning("could not release job %s; its lease will expire", job_id, exc_info=True)
+
+
+def _job_log(result, output: str) -> str:
+    lines = [f"{key}={value}" for key, value in sorted(result.properties.items())]
+    lines.append(f"toolchain={result.toolchain.as_dict()}")
+    lines.append(
+        f"compile {result.compile_seconds:.3f}s, export {result.export_seconds:.3f}s, "
+        f"peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB, blob {result.size_bytes} bytes"
+    )
+    if output.strip():
+        lines += ["--- compiler output ---", output.rstrip()]
+    return "\n".join(lines)
+
+
+class _Lease:
+    """Renews the job's lease in the background and notices cancel requests."""
+
+    def __init__(self, sessions, job_id: int, worker: str, lease_seconds: int) -> None:
+        self.sessions, self.job_id, self.worker = sessions, job_id, worker
+        self.lease_seconds = lease_seconds
+        self.cancelled = threading.Event()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
+
+    def __enter__(self) -> _Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.lost.is_set()
+
+    def _run(self) -> None:
+        # Renew every third of the lease, so two renewals can fail before it expires; the
+        # same UPDATE reads the cancel flag, checked more often so a cancel is quick.
+        interval = min(self.lease_seconds / 3, CANCEL_POLL_SECONDS)
+        while not self._stop.wait(interval):
+            try:
+                self._renew()
+            except Exception:
+                log.warning("lease renewal for job %s failed", self.job_id, exc_info=True)
+
+    def _renew(self) -> None:
+        with self.sessions() as session:
+            row = session.execute(
+                update(Job)
+                .where(Job.id == self.job_id, Job.state == "running", Job.worker == self.worker)
+                .values(lease_expires_at=now() + timedelta(seconds=self.lease_seconds))
+                .returning(Job.cancel_requested)
+            ).first()
+            session.commit()
+        if row is None:
+            log.warning("job %s is no longer ours; stopping its compile", self.job_id)
+            self.lost.set()
+        elif row.cancel_requested:
+            self.cancelled.set()

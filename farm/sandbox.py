@@ -1,0 +1,146 @@
+"""Run one compile in a child process that the caller can watch, stop and time out.
+
+A compile can take hours, use tens of GB, or crash on a hostile model. In a child process it
+fails its own job only; the parent stays free to renew the job's lease, notice a cancel, and
+kill the compile (an OpenVINO compile cannot be interrupted inside a process). The child's
+stderr is the compiler's own output and goes into the job log.
+
+Protocol: ``python -m farm.sandbox REQUEST.json RESULT.json``; the result holds either the
+`CompileResult` fields or ``{"error": kind, "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+from farm.spec import CompileSpec, Toolchain
+
+POLL_SECONDS = 0.5
+LOG_TAIL_BYTES = 64 * 1024
+"""How much of the compiler's output is kept for the job log."""
+
+
+class CompileCancelled(Exception):
+    """The watcher asked to stop; the child was killed."""
+
+
+class CompileTimeout(Exception):
+    """The compile ran past its time limit; the child was killed."""
+
+
+def compile_in_child(
+    files: Mapping[str, Path],
+    spec: CompileSpec,
+    out_dir: Path,
+    blob_id: str,
+    *,
+    timeout_seconds: float,
+    should_stop: Callable[[], bool] = lambda: False,
+):
+    """Compile in a child process; returns (`CompileResult`, compiler output).
+
+    `should_stop` is called every POLL_SECONDS; True kills the child (CompileCancelled).
+    Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes.
+    """
+    from farm import compiler
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    request = out_dir.parent / f"{blob_id}.request.json"
+    result_path = out_dir.parent / f"{blob_id}.result.json"
+    log_path = out_dir.parent / f"{blob_id}.log"
+    request.write_text(
+        json.dumps(
+            {
+                "files": {role: str(path) for role, path in files.items()},
+                "target": spec.target.name,
+                "spec": spec.canonical(),
+                "out_dir": str(out_dir),
+                "blob_id": blob_id,
+            }
+        )
+    )
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "farm.sandbox", str(request), str(result_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            while child.poll() is None:
+                if should_stop():
+                    raise CompileCancelled("compile cancelled")
+                if time.monotonic() - started > timeout_seconds:
+                    raise CompileTimeout(f"compile ran longer than {timeout_seconds:.0f} s")
+                time.sleep(POLL_SECONDS)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    output = _tail(log_path)
+    if child.returncode != 0 and not result_path.exists():
+        how = (
+            f"killed by signal {-child.returncode}"
+            if child.returncode < 0
+            else f"exit code {child.returncode}"
+        )
+        hint = " (out of memory?)" if child.returncode == -signal.SIGKILL else ""
+        raise compiler.CompileError(f"the compiler process died: {how}{hint}")
+    result = json.loads(result_path.read_text())
+    if "error" in result:
+        kinds = {
+            "CompilerUnavailable": compiler.CompilerUnavailable,
+            "ModelError": compiler.ModelError,
+        }
+        raise kinds.get(result["error"], compiler.CompileError)(result["message"])
+    result["blob_path"] = Path(result["blob_path"])
+    result["toolchain"] = Toolchain(**result["toolchain"])
+    return compiler.CompileResult(**result), output
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the process that started it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _tail(path: Path) -> str:
+    with open(path, "rb") as stream:
+        size = stream.seek(0, os.SEEK_END)
+        stream.seek(max(0, size - LOG_TAIL_BYTES))
+        return stream.read().decode("utf-8", errors="replace")
+
+
+def _child_main(request_path: str, result_path: str) -> int:
+    from farm import compiler
+
+    request = json.loads(Path(request_path).read_text())
+    spec = CompileSpec.from_canonical(request["target"], request["spec"])
+    files = {role: Path(path) for role, path in request["files"].items()}
+    try:
+        result = compiler.compile_to_file(files, spec, Path(request["out_dir"]), request["blob_id"])
+        payload = asdict(result)
+        payload["blob_path"] = str(result.blob_path)
+    except (compiler.CompileError, compiler.CompilerUnavailable) as error:
+        payload = {"error": type(error).__name__, "message": str(error)}
+    partial = Path(result_path + ".partial")
+    partial.write_text(json.dumps(payload))
+    partial.replace(result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,100 @@
+"""`farm worker`: probe what this host compiles, consume only those queues, register, beat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+from celery import signals
+
+from farm import compiler, routing
+from farm.config import Settings
+from farm.doctor import require_services
+
+log = logging.getLogger(__name__)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    concurrency: int = 1,
+    name: str | None = None,
+    beat: bool = False,
+    loglevel: str = "INFO",
+) -> None:
+    """Start a Celery worker in this process; returns when it shuts down."""
+    from workers.app import make_app
+    from workers.context import worker_context
+
+    require_services(settings)
+    probe = compiler.probe_targets()
+    compilable = [target for target, reason in probe.items() if reason is None]
+    if not compilable:
+        raise compiler.CompilerUnavailable(
+            "this host compiles no target: " + "; ".join(filter(None, probe.values()))
+        )
+    memory = settings.worker_memory_bytes or host_memory_bytes()
+    queues = [
+        *routing.worker_queues(compilable, memory, settings.large_worker_bytes),
+        routing.CONTROL_QUEUE,
+    ]
+    name = name or f"farm-{os.getpid()}@{socket.gethostname()}"
+    app = make_app(settings)
+    stop = threading.Event()
+
+    def beat_loop() -> None:
+        while not stop.wait(settings.worker_heartbeat_seconds):
+            try:
+                with worker_context().sessions() as session:
+                    routing.heartbeat(session, name)
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+
+    @signals.worker_ready.connect(weak=False)
+    def on_ready(**_: object) -> None:
+        import openvino as ov
+
+        with worker_context().sessions() as session:
+            routing.register_worker(
+                session,
+                name=name,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                targets=probe,
+                queues=queues,
+                openvino_version=ov.get_version(),
+                memory_bytes=memory,
+            )
+        threading.Thread(target=beat_loop, name="farm-heartbeat", daemon=True).start()
+        log.info("farm worker %s serves %s", name, ", ".join(queues))
+
+    @signals.worker_shutdown.connect(weak=False)
+    def on_shutdown(**_: object) -> None:
+        stop.set()
+        try:
+            with worker_context().sessions() as session:
+                routing.mark_stopped(session, name)
+        except Exception:
+            log.warning("could not mark %s stopped", name, exc_info=True)
+
+    argv = [
+        "worker",
+        "-Q",
+        ",".join(queues),
+        "-c",
+        str(concurrency),
+        "-n",
+        name,
+        f"--loglevel={loglevel}",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if beat:
+        argv.append("--beat")
+    app.worker_main(argv)
