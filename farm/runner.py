@@ -204,13 +204,18 @@ def _record_blob(session: Session, job: Job, model_row: Model, result, stored, o
 
 
 def _release(sessions: sessionmaker[Session], job_id: int, worker: str) -> None:
-    """Hand an interrupted job back to the queue; if the database is down, its lease expires."""
+    """Hand a job back to the queue after an infrastructure error; the retry re-claims it.
+
+    The attempt is given back too: `attempts` counts runs that died with their worker (an
+    OOM-killed compile), not outages of storage or database. If the database is down, the
+    lease simply expires and the reconciler takes the job back.
+    """
     try:
         with sessions() as session:
             session.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.state == "running", Job.worker == worker)
-                .values(state="queued", lease_expires_at=None)
+                .values(state="queued", lease_expires_at=None, attempts=Job.attempts - 1)
             )
             session.commit()
     except Exception:

@@ -92,3 +92,30 @@ def redis_url() -> Iterator[str]:
     db.flushdb()
     client.close()
     db.close()
+
+
+@pytest.fixture
+def served_env(tmp_path, postgres_url, redis_url, s3_url, s3_store) -> dict[str, str]:
+    """Environment of a served farm with its own database, Redis db number and bucket prefix."""
+    return {
+        "FARM_HOME": str(tmp_path / "farm-home"),
+        "FARM_DATABASE_URL": postgres_url,
+        "FARM_BROKER_URL": redis_url,
+        "FARM_STORAGE_URL": s3_url,
+        "FARM_S3_ENDPOINT_URL": S3_ENDPOINT_URL,
+        "FARM_S3_ACCESS_KEY_ID": S3_CREDENTIALS["access_key_id"],
+        "FARM_S3_SECRET_ACCESS_KEY": S3_CREDENTIALS["secret_access_key"],
+        "FARM_LEASE_SECONDS": "3",
+        "FARM_WORKER_HEARTBEAT_SECONDS": "1",
+    }
+
+
+@pytest.fixture
+def served(tmp_path, served_env):
+    from tests.integration.served import ServedFarm
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    farm = ServedFarm(served_env, logs)
+    yield farm
+    farm.stop()

@@ -12,6 +12,7 @@ from celery import signals
 from farm import compiler, routing
 from farm.config import Settings
 from farm.doctor import require_services
+from workers.tasks import WORKER_NAME_ENV
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def run_worker(
         routing.CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"
+    os.environ[WORKER_NAME_ENV] = name
     app = make_app(settings)
     stop = threading.Event()
 

@@ -13,6 +13,9 @@ from farm.storage import StorageError
 
 log = logging.getLogger(__name__)
 
+WORKER_NAME_ENV = "FARM_WORKER_NAME"
+"""Set by `farm worker` so jobs.worker matches the workers table (pool processes inherit it)."""
+
 INFRASTRUCTURE_ERRORS = (StorageError, OperationalError, ConnectionError, TimeoutError)
 
 
@@ -36,7 +39,7 @@ def compile_job(self, job_id: int) -> None:
         context.sessions,
         context.store,
         job_id,
-        worker=self.request.hostname or f"{socket.gethostname()}:{os.getpid()}",
+        worker=os.environ.get(WORKER_NAME_ENV) or f"{socket.gethostname()}:{os.getpid()}",
         limits=RunLimits(settings.lease_seconds, settings.max_run_seconds),
     )
     log.info("job %s: %s", job_id, job.state if job else "not found")

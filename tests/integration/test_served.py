@@ -1,0 +1,188 @@
+"""The served farm end to end: real `farm worker` processes, PostgreSQL, Redis, SeaweedFS."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select
+
+from farm import service
+from farm.compiler import host_toolchain
+from farm.db.models import Blob, Job
+from farm.dispatch import Dispatcher
+from farm.spec import CompileSpec
+from tests import models
+from tests.integration.served import wait_until
+
+
+@pytest.fixture
+def conv_xml(tmp_path):
+    return models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+
+
+@pytest.fixture(scope="session")
+def big_xml(tmp_path_factory):
+    """~300 MB of weights: a compile that lasts long enough to be interrupted."""
+    return models.save_ir(models.large_net(300), tmp_path_factory.mktemp("big") / "big.xml")
+
+
+def submit_direct(farm, xml, send: bool = True, **spec) -> service.Submission:
+    """Submit through the service layer, as the CLI and API do; `send=False` loses the message."""
+    spec = CompileSpec.create("CPU", **spec)
+    ref = service.ModelRef.from_path(xml)
+    with farm.sessions() as session:
+        submission = service.submit(
+            session, farm.store, ref, spec, host_toolchain(spec.target), queue="compile.cpu"
+        )
+        if send and submission.outcome == "queued":
+            dispatcher = Dispatcher(farm.settings)
+            dispatcher.send(session, submission.job_id, "compile.cpu")
+            dispatcher.close()
+    return submission
+
+
+def test_a_real_worker_compiles_a_cpu_job_end_to_end(served, conv_xml, tmp_path):
+    served.start_worker("w1")
+    listed = served.farm_json("workers")
+    assert [w["name"] for w in listed] == ["w1"]
+    assert listed[0]["queues"][0] == "compile.cpu" and "control" in listed[0]["queues"]
+
+    result = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--wait")
+    assert result["outcome"] == "queued"
+    job = result["job"]
+    assert job["state"] == "succeeded" and job["worker"] == "w1" and job["queue"] == "compile.cpu"
+
+    (blob,) = served.blobs()
+    assert blob.cache_key == result["cache_key"]
+    stored = served.store.stat(blob.storage_key)
+    assert (stored.size, stored.sha256) == (blob.size_bytes, blob.sha256)
+    assert "compile" in served.farm("logs", str(job["id"])).stdout
+
+    out = tmp_path / "pulled.blob"
+    served.farm("pull", str(conv_xml), "-d", "CPU", "-o", str(out))
+    ran = served.farm_json("run", str(out), "-d", "CPU")
+    assert ran["import_seconds"] > 0
+    assert served.farm_json("submit", str(conv_xml), "-d", "CPU")["outcome"] == "hit"
+
+
+def test_twenty_concurrent_identical_submits_compile_once(served, conv_xml):
+    outcomes, errors = [], []
+
+    def one() -> None:
+        try:
+            outcomes.append(submit_direct(served, conv_xml))
+        except Exception as error:  # collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    job_ids = {s.job_id for s in outcomes}
+    assert len(job_ids) == 1
+    assert sorted(s.outcome for s in outcomes).count("queued") == 1
+    served.start_worker("w1")
+    (job_id,) = job_ids
+    assert served.wait_job(job_id).state == "succeeded"
+    assert served.count(Job) == 1 and served.count(Blob) == 1
+    assert served.job(job_id).attempts == 1
+
+
+def test_a_duplicated_delivery_compiles_once(served, conv_xml):
+    submission = submit_direct(served, conv_xml)
+    dispatcher = Dispatcher(served.settings)
+    with served.sessions() as session:
+        dispatcher.send(session, submission.job_id, "compile.cpu")  # the same job, twice
+    dispatcher.close()
+    served.start_worker("w1")
+    assert served.wait_job(submission.job_id).state == "succeeded"
+    wait_until(lambda: served.worker_log("w1").count("farm.compile") >= 4, 30, "both deliveries")
+    assert served.job(submission.job_id).attempts == 1
+    assert served.count(Blob) == 1
+
+
+def test_a_lost_message_is_resent_by_the_reconciler(served, conv_xml):
+    served.start_worker("w1")
+    submission = submit_direct(served, conv_xml, send=False)  # committed, never sent
+    assert served.job(submission.job_id).state == "queued"
+    report = served.farm_json("reconcile", env={"FARM_RESEND_AFTER_SECONDS": "0"})
+    assert report["resent"] == [submission.job_id]
+    assert served.wait_job(submission.job_id).state == "succeeded"
+
+
+def test_sigkill_mid_compile_then_restart_completes_with_one_blob(served, big_xml):
+    served.start_worker("w1")
+    submission = submit_direct(served, big_xml)
+    wait_until(lambda: served.job(submission.job_id).state == "running", 60, "the compile")
+    served.kill_worker("w1")  # SIGKILL to the worker, its pool and the compile child
+    assert served.job(submission.job_id).state == "running"  # nobody told the database
+    served.start_worker("w2")
+    # The lease (3 s here) runs out; the reconciler takes the job back and re-sends it.
+    wait_until(lambda: served.farm_json("reconcile")["taken_back"], 30, "the lease to expire")
+    job = served.wait_job(submission.job_id)
+    assert job.state == "succeeded" and job.worker == "w2" and job.attempts == 2
+    assert served.count(Blob) == 1
+
+
+def test_a_queued_job_cancelled_never_starts(served, conv_xml):
+    submission = submit_direct(served, conv_xml)
+    cancelled = served.farm_json("cancel", str(submission.job_id))
+    assert cancelled["state"] == "cancelled"
+    served.start_worker("w1")
+    wait_until(lambda: "farm.compile" in served.worker_log("w1"), 30, "the delivery")
+    job = served.job(submission.job_id)
+    assert job.state == "cancelled" and job.attempts == 0 and served.count(Blob) == 0
+
+
+def test_a_running_compile_is_cancelled_by_its_worker(served, big_xml):
+    served.start_worker("w1")
+    submission = submit_direct(served, big_xml)
+    wait_until(lambda: served.job(submission.job_id).state == "running", 60, "the compile")
+    served.farm("cancel", str(submission.job_id))
+    job = served.wait_job(submission.job_id, timeout=30)
+    assert job.state == "cancelled" and served.count(Blob) == 0
+
+
+def test_a_model_that_cannot_compile_fails_its_job_and_the_worker_carries_on(
+    served, conv_xml, tmp_path
+):
+    broken = models.save_ir(models.conv_net(seed=9), tmp_path / "broken" / "m.xml")
+    broken.write_text(broken.read_text().replace("<layers>", '<layers><layer id="x"'))
+    bad = submit_direct(served, broken)
+    good = submit_direct(served, conv_xml)
+    served.start_worker("w1")
+    failed = served.wait_job(bad.job_id)
+    assert failed.state == "failed" and "cannot read model" in failed.error
+    assert failed.attempts == 1
+    assert served.wait_job(good.job_id).state == "succeeded"
+
+
+def test_a_target_nobody_serves_says_so(served, conv_xml):
+    served.start_worker("w1")
+    result = served.farm_json("submit", str(conv_xml), "-d", "4000", "--tiles", "2")
+    assert result["job"]["state"] == "queued"
+    assert result["job"]["queue"] == "compile.npu.4000"
+    assert "no live worker serves compile.npu.4000" in result["note"]
+    status = served.farm_json("status", str(result["job"]["id"]))
+    assert "no live worker serves" in status["note"]
+
+
+def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):
+    cases = {
+        "FARM_BROKER_URL": {"FARM_BROKER_URL": "redis://127.0.0.1:1/0"},
+        "FARM_DATABASE_URL": {"FARM_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:1/x"},
+        "does not exist": {"FARM_STORAGE_URL": "s3://no-such-bucket/x"},
+        "refused the credentials": {"FARM_S3_SECRET_ACCESS_KEY": "wrong"},
+    }
+    for message, env in cases.items():
+        for command in (["worker"], ["doctor"]):
+            result = served.farm(*command, check=False, env=env)
+            assert result.returncode == 5, (command, env, result.stderr)
+            text = result.stderr + result.stdout
+            assert message in text, (command, env, text)
+            assert "Traceback" not in text
+    with served.sessions() as session:
+        assert session.scalars(select(Job)).all() == []
