@@ -160,6 +160,15 @@ def test_a_model_that_cannot_compile_fails_its_job_and_the_worker_carries_on(
     assert served.wait_job(good.job_id).state == "succeeded"
 
 
+def test_big_models_go_to_the_large_queue(served, conv_xml):
+    served.start_worker("w1")  # this host has more than FARM_LARGE_WORKER_BYTES (16 GiB)
+    result = served.farm_json(
+        "submit", str(conv_xml), "-d", "CPU", "--wait", env={"FARM_LARGE_MODEL_BYTES": "1"}
+    )
+    assert result["job"]["queue"] == "compile.cpu.large"
+    assert result["job"]["state"] == "succeeded"
+
+
 def test_a_target_nobody_serves_says_so(served, conv_xml):
     served.start_worker("w1")
     result = served.farm_json("submit", str(conv_xml), "-d", "4000", "--tiles", "2")
