@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from pathlib import Path
 
@@ -18,6 +19,8 @@ class Settings(BaseSettings):
     storage_url: str | None = None
     """``s3://bucket/prefix`` or a folder; default ``<home>/store``."""
 
+    cache_dir: Path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "farm"
+    """Client-side caches: file digests, and (on edges) downloaded blobs."""
     broker_url: str | None = None
     """Redis URL of the Celery broker. Set: served mode (jobs go to workers)."""
     s3_endpoint_url: str | None = None
@@ -44,6 +47,19 @@ class Settings(BaseSettings):
     """The reconciler re-sends a queued job's message after this long without a claim."""
     worker_heartbeat_seconds: int = 30
     """How often a worker updates its row in `workers`; 3 missed beats and it counts as gone."""
+
+    api_url: str | None = None
+    """Set: the CLI talks to this farm API over HTTP instead of the database."""
+    token: str | None = None
+    """Bearer token for FARM_API_URL."""
+    api_requests_per_minute: int = 600
+    """Requests one token may make per minute (per API process)."""
+    max_upload_bytes: int = 64 * 2**30
+    """Largest model file the API accepts."""
+    max_matrix: int = 64
+    """Most jobs one submission may ask for."""
+    presign_seconds: int = 3600
+    """Lifetime of a presigned download URL."""
 
     @property
     def served(self) -> bool:

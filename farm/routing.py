@@ -71,3 +71,12 @@ def all_workers(session: Session) -> list[Worker]:
 
 def is_served(session: Session, queue: str, heartbeat_seconds: int) -> bool:
     return any(queue in w.queues for w in live_workers(session, heartbeat_seconds))
+
+
+def waiting_note(session: Session, job, heartbeat_seconds: int) -> str | None:
+    """A queued job nobody can take says so, instead of waiting silently."""
+    if job is None or job.state != "queued" or job.queue == "embedded":
+        return None
+    if is_served(session, job.queue, heartbeat_seconds):
+        return None
+    return f"no live worker serves {job.queue}; the job waits until one starts (farm workers)"

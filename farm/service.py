@@ -9,7 +9,7 @@ one transaction, after the blob is stored and its sha256 known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from farm import hashing
 from farm.db.models import ACTIVE_STATES, Blob, Job, Model
+from farm.errors import IntegrityMismatch, NotFound
 from farm.spec import CompileSpec, Target, Toolchain
 from farm.storage import BlobStore
 
@@ -29,12 +30,21 @@ log = logging.getLogger(__name__)
 Outcome = Literal["hit", "existing", "queued"]
 
 
-class NotFound(LookupError):
-    """No job or blob by that id or cache key."""
+class ModelMissing(LookupError):
+    """The store lacks model files a new job needs; upload them and submit again."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(f"the farm lacks model files {', '.join(missing)}; upload them first")
+        self.missing = missing
 
 
-class IntegrityMismatch(Exception):
-    """Stored bytes do not match their recorded sha256."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the farm knows it: the digests of its files by role, a name, its size."""
+
+    identity: dict[str, str]
+    name: str
+    size_bytes: int
 
 
 @dataclass(frozen=True)
@@ -46,13 +56,24 @@ class ModelRef:
     name: str
 
     @classmethod
-    def from_path(cls, path: str | Path, progress: Callable[[int], None] | None = None):
+    def from_path(
+        cls,
+        path: str | Path,
+        progress: Callable[[int], None] | None = None,
+        digests: Callable[[Path, Callable[[int], None] | None], str] = hashing.sha256_file,
+    ) -> ModelRef:
+        """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
         files = hashing.model_files(path)
-        return cls(files, hashing.model_identity(files, progress), Path(path).name)
+        identity = {role: digests(file, progress) for role, file in sorted(files.items())}
+        return cls(files, identity, Path(path).name)
 
     @property
     def size_bytes(self) -> int:
         return sum(file.stat().st_size for file in self.files.values())
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(dict(self.identity), self.name, self.size_bytes)
 
 
 @dataclass(frozen=True)
@@ -79,7 +100,7 @@ def key_for(identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain
 def submit(
     session: Session,
     store: BlobStore,
-    model: ModelRef,
+    model: ModelInfo,
     spec: CompileSpec,
     toolchain: Toolchain,
     *,
@@ -89,7 +110,8 @@ def submit(
 ) -> Submission:
     """Return the hit, the active job for the same cache key, or a new queued job (committed).
 
-    The caller sends a new job's message only after this commit (`farm.dispatch`).
+    The caller sends a new job's message only after this commit (`farm.dispatch`). A new job
+    needs the model's files in the store: ModelMissing names those it lacks.
     """
     key = key_for(model.identity, spec, toolchain)
     if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
@@ -98,7 +120,10 @@ def submit(
     if active is not None:
         return Submission("existing", key, active)
 
-    model_row = store_model(session, store, model)
+    missing = missing_model_files(store, model.identity.values())
+    if missing:
+        raise ModelMissing(missing)
+    model_row = register_model(session, model)
     job = Job(
         cache_key=key,
         model_id=model_row.id,
@@ -125,19 +150,40 @@ def submit(
     return Submission("queued", key, job.id)
 
 
-def store_model(session: Session, store: BlobStore, model: ModelRef) -> Model:
-    """Upload the model files the store lacks (content-addressed) and return the model row."""
+def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:
+    """The digests among `digests` whose files the store lacks."""
+    return sorted({sha for sha in digests if not store.exists(model_storage_key(sha))})
+
+
+def upload_model_files(store: BlobStore, model: ModelRef, only: Iterable[str] | None = None):
+    """Upload the model's files (those in `only`, or all), each verified against its digest."""
+    wanted = set(model.identity.values()) if only is None else set(only)
     for role, path in model.files.items():
-        storage_key = model_storage_key(model.identity[role])
-        if not store.exists(storage_key):
-            store.put_file(storage_key, path, expected_sha256=model.identity[role])
+        sha = model.identity[role]
+        if sha in wanted:
+            store.put_file(model_storage_key(sha), path, expected_sha256=sha)
+
+
+def submit_from_disk(
+    session: Session, store: BlobStore, model: ModelRef, spec, toolchain, **kwargs
+) -> Submission:
+    """`submit`, uploading the model files the store lacks when a new job needs them."""
+    try:
+        return submit(session, store, model.info, spec, toolchain, **kwargs)
+    except ModelMissing as missing:
+        upload_model_files(store, model, missing.missing)
+        return submit(session, store, model.info, spec, toolchain, **kwargs)
+
+
+def register_model(session: Session, model: ModelInfo) -> Model:
+    """The model's row, created on first sight."""
     digest = hashing.model_digest(model.identity)
     row = session.scalar(select(Model).where(Model.digest == digest))
     if row is not None:
         return row
     row = Model(
         digest=digest,
-        format="onnx" if "onnx" in model.files else "ir",
+        format="onnx" if "onnx" in model.identity else "ir",
         files=dict(model.identity),
         size_bytes=model.size_bytes,
         name=model.name,
@@ -212,13 +258,32 @@ def latest_job_for_key(session: Session, cache_key: str) -> Job | None:
 
 
 def list_jobs(
-    session: Session, state: str | None = None, target: str | None = None, limit: int = 50
+    session: Session,
+    state: str | None = None,
+    target: str | None = None,
+    limit: int = 50,
+    *,
+    model: str | None = None,
+    submitter: str | None = None,
+    since: datetime | None = None,
+    cache_key: str | None = None,
 ) -> list[Job]:
+    """Newest first. `model` is a model digest or a model's file name."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
     if state:
         query = query.where(Job.state == state)
     if target:
         query = query.where(Job.target == Target.parse(target).name)
+    if model:
+        query = query.join(Model, Model.id == Job.model_id).where(
+            (Model.digest == model) | (Model.name == model)
+        )
+    if submitter:
+        query = query.where(Job.submitter == submitter)
+    if since:
+        query = query.where(Job.created_at >= since)
+    if cache_key:
+        query = query.where(Job.cache_key == cache_key)
     return list(session.scalars(query))
 
 

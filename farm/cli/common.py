@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable
@@ -10,9 +11,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from farm import hashing
 from farm.config import get_settings
-from farm.spec import CompileSpec, SpecError
+from farm.spec import CompileSpec
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -20,6 +20,7 @@ EXIT_BAD_INPUT = 2
 EXIT_NOT_FOUND = 3
 EXIT_COMPILER_UNAVAILABLE = 4
 EXIT_INFRASTRUCTURE = 5
+EXIT_UNAUTHORIZED = 6
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -41,30 +42,71 @@ def handle_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from sqlalchemy.exc import OperationalError
-
-        from farm.compiler import CompileError, CompilerUnavailable
-        from farm.doctor import ServiceUnavailable
-        from farm.service import NotFound
-        from farm.storage import StorageError
-
         try:
             return command(*args, **kwargs)
-        except (SpecError, hashing.ModelFileError, CompileError) as error:
-            raise FarmCliError(str(error), EXIT_BAD_INPUT) from error
-        except NotFound as error:
-            raise FarmCliError(str(error), EXIT_NOT_FOUND) from error
-        except CompilerUnavailable as error:
-            raise FarmCliError(str(error), EXIT_COMPILER_UNAVAILABLE) from error
-        except (StorageError, ServiceUnavailable) as error:
-            raise FarmCliError(str(error), EXIT_INFRASTRUCTURE) from error
-        except OperationalError as error:
-            first = str(error.orig or error).strip().splitlines()[0]
-            raise FarmCliError(
-                f"database error (FARM_DATABASE_URL): {first}", EXIT_INFRASTRUCTURE
-            ) from error
+        except click.ClickException:
+            raise
+        except Exception as error:
+            exit_code = exit_code_for(error)
+            if exit_code is None:
+                raise
+            raise FarmCliError(_one_line(error), exit_code) from error
 
     return wrapper
+
+
+# Error classes by name and module, so that an edge install (no SQLAlchemy, no boto3) can
+# still map what it meets without importing what it does not have.
+_EXIT_CODES = {
+    "farm.spec.SpecError": EXIT_BAD_INPUT,
+    "farm.hashing.ModelFileError": EXIT_BAD_INPUT,
+    "farm.compiler.CompileError": EXIT_BAD_INPUT,
+    "farm.compiler.ModelError": EXIT_BAD_INPUT,
+    "farm.tokens.TokenError": EXIT_BAD_INPUT,
+    "farm.blobformat.BlobFormatError": EXIT_BAD_INPUT,
+    "farm.errors.NotFound": EXIT_NOT_FOUND,
+    "farm.compiler.CompilerUnavailable": EXIT_COMPILER_UNAVAILABLE,
+    "farm.errors.IntegrityMismatch": EXIT_INFRASTRUCTURE,
+    "farm.storage.StorageError": EXIT_INFRASTRUCTURE,
+    "farm.doctor.ServiceUnavailable": EXIT_INFRASTRUCTURE,
+    "sqlalchemy.exc.OperationalError": EXIT_INFRASTRUCTURE,
+}
+
+
+def exit_code_for(error: Exception) -> int | None:
+    from farm.client import ApiError
+
+    if isinstance(error, ApiError):
+        if error.status in (401, 403):
+            return EXIT_UNAUTHORIZED
+        if error.status == 404:
+            return EXIT_NOT_FOUND
+        return EXIT_BAD_INPUT if 400 <= error.status < 500 else EXIT_INFRASTRUCTURE
+    for cls in type(error).__mro__:
+        code = _EXIT_CODES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if code is not None:
+            return code
+    return None
+
+
+def _one_line(error: Exception) -> str:
+    orig = getattr(error, "orig", None)  # SQLAlchemy wraps the driver's error
+    if orig is not None:
+        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+        return f"database error (FARM_DATABASE_URL): {first}"
+    return str(error)
+
+
+def backend():
+    """The HTTP API when FARM_API_URL is set, else the database and store directly."""
+    from farm.cli.backend import Direct, Http
+
+    settings = get_settings()
+    if settings.api_url:
+        from farm.client import FarmClient
+
+        return Http(FarmClient(settings.api_url, settings.token))
+    return Direct(local_farm())
 
 
 def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
@@ -141,58 +183,52 @@ def check_key(text: str) -> str:
     return key
 
 
-def job_dict(job) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "cache_key": job.cache_key,
-        "target": job.target,
-        "state": job.state,
-        "queue": job.queue,
-        "worker": job.worker,
-        "submitter": job.submitter,
-        "spec": job.spec,
-        "error": job.error,
-        "attempts": job.attempts,
-        "created_at": job.created_at,
-        "started_at": job.started_at,
-        "finished_at": job.finished_at,
-        "compile_seconds": job.compile_seconds,
-        "export_seconds": job.export_seconds,
-        "peak_rss_bytes": job.peak_rss_bytes,
-    }
-
-
-def blob_dict(blob) -> dict[str, Any]:
-    return {
-        "cache_key": blob.cache_key,
-        "target": blob.target,
-        "openvino": blob.openvino_version,
-        "toolchain": blob.toolchain,
-        "size_bytes": blob.size_bytes,
-        "sha256": blob.sha256,
-        "weightless": blob.weightless,
-        "compile_seconds": blob.compile_seconds,
-        "export_seconds": blob.export_seconds,
-        "created_at": blob.created_at,
-    }
-
-
-def print_job(job) -> None:
-    out.print(f"job        {job.id} ({job.target}): {job.state}")
-    if job.compile_seconds is not None:
+def print_job(job: dict) -> None:
+    out.print(f"job        {job['id']} ({job['target']}): {job['state']}")
+    if job.get("compile_seconds") is not None:
         out.print(
-            f"timings    compile {job.compile_seconds:.2f} s, export "
-            f"{job.export_seconds:.2f} s, peak RSS {size_text(job.peak_rss_bytes or 0)}"
+            f"timings    compile {job['compile_seconds']:.2f} s, export "
+            f"{job['export_seconds']:.2f} s, peak RSS {size_text(job['peak_rss_bytes'] or 0)}"
         )
-    if job.error:
-        out.print(f"error      {job.error}", markup=False)
+    if job.get("error"):
+        out.print(f"error      {job['error']}", markup=False)
+    if job.get("note"):
+        out.print(f"note       {job['note']}", markup=False)
 
 
-def print_blob(blob) -> None:
+def print_blob(blob: dict) -> None:
     out.print(
-        f"blob       {blob.target}, OpenVINO {blob.openvino_version}, "
-        f"{size_text(blob.size_bytes)}, sha256 {blob.sha256}"
+        f"blob       {blob['target']}, OpenVINO {blob['openvino']}, "
+        f"{size_text(blob['size_bytes'])}, sha256 {blob['sha256']}"
     )
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int, quiet: bool = False):
+    """A rich progress bar on stderr for `total` bytes; yields the `advance(n)` callback."""
+    if quiet or total <= 0 or not err.is_terminal:
+        yield lambda _count: None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda count: progress.advance(task, count)
 
 
 def size_text(count: int) -> str:

@@ -13,7 +13,6 @@ from farm.cli.common import (
     json_option,
     local_farm,
     out,
-    size_text,
 )
 from farm.config import get_settings
 
@@ -42,53 +41,6 @@ def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> Non
             "and store); the embedded farm compiles in `farm submit`"
         )
     run_worker(settings, concurrency=concurrency, name=name, beat=beat, loglevel=loglevel)
-
-
-@main.command()
-@click.option("--all", "show_all", is_flag=True, help="Include stopped and silent workers.")
-@json_option
-@handle_errors
-def workers(show_all: bool, as_json: bool) -> None:
-    """List the workers: what each serves and when it was last seen."""
-    from rich.table import Table
-
-    from farm import routing
-
-    farm = local_farm()
-    with farm.session() as session:
-        live = {
-            w.name for w in routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
-        }
-        rows = [
-            {
-                "name": w.name,
-                "host": w.host,
-                "live": w.name in live,
-                "queues": w.queues,
-                "targets": w.targets,
-                "openvino": w.openvino_version,
-                "memory_bytes": w.memory_bytes,
-                "heartbeat_at": w.heartbeat_at,
-                "stopped_at": w.stopped_at,
-            }
-            for w in routing.all_workers(session)
-            if show_all or w.name in live
-        ]
-
-    def human() -> None:
-        table = Table("worker", "live", "queues", "memory", "OpenVINO", "last seen")
-        for row in rows:
-            table.add_row(
-                row["name"],
-                "yes" if row["live"] else "no",
-                ", ".join(row["queues"]),
-                size_text(row["memory_bytes"]),
-                row["openvino"].split("-")[0],
-                str(row["heartbeat_at"])[:19],
-            )
-        out.print(table)
-
-    emit(rows, as_json, human)
 
 
 @main.command()
@@ -153,3 +105,75 @@ def db_upgrade() -> None:
     url = get_settings().resolved_database_url
     upgrade_database(url)
     out.print(f"database at head: {hide_password(url)}")
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--workers", "processes", type=click.IntRange(1, 64), default=1, show_default=True)
+@handle_errors
+def api(host: str, port: int, processes: int) -> None:
+    """Serve the HTTP API (uvicorn)."""
+    import uvicorn
+
+    uvicorn.run(
+        "farm.api.main:app",
+        host=host,
+        port=port,
+        workers=processes,
+        proxy_headers=True,
+        log_level="info",
+    )
+
+
+@main.group()
+def token() -> None:
+    """API tokens (run where FARM_DATABASE_URL reaches the farm's database)."""
+
+
+@token.command("create")
+@click.option("--name", required=True, help="Who holds it: 'edge-042', 'ci'.")
+@click.option("--role", type=click.Choice(["pull", "submit", "admin"]), required=True)
+@json_option
+@handle_errors
+def token_create(name: str, role: str, as_json: bool) -> None:
+    """Create a token; it is printed once and never stored."""
+    from farm.tokens import create_token
+
+    with local_farm().session() as session:
+        secret = create_token(session, name, role)
+    emit({"name": name, "role": role, "token": secret}, as_json, lambda: click.echo(secret))
+
+
+@token.command("revoke")
+@click.argument("name")
+@handle_errors
+def token_revoke(name: str) -> None:
+    """Revoke the token called NAME; requests with it get 401 from now on."""
+    from farm.tokens import revoke_token
+
+    with local_farm().session() as session:
+        revoke_token(session, name)
+    out.print(f"revoked {name}")
+
+
+@token.command("list")
+@json_option
+@handle_errors
+def token_list(as_json: bool) -> None:
+    """List tokens (names and roles; the tokens themselves are not stored)."""
+    from farm.tokens import list_tokens
+
+    with local_farm().session() as session:
+        rows = [
+            {"name": t.name, "role": t.role, "created_at": t.created_at, "revoked_at": t.revoked_at}
+            for t in list_tokens(session)
+        ]
+    emit(
+        rows,
+        as_json,
+        lambda: [
+            out.print(f"{r['name']:24} {r['role']:8} {'revoked' if r['revoked_at'] else 'valid'}")
+            for r in rows
+        ],
+    )

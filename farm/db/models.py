@@ -239,3 +239,26 @@ class Worker(Base):
         comment="Last heartbeat, UTC. Updated every FARM_WORKER_HEARTBEAT_SECONDS while alive."
     )
     stopped_at: Mapped[datetime | None] = mapped_column(comment="Clean shutdown, UTC.")
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+    __table_args__ = (
+        *sha256_checks("token_sha256"),
+        CheckConstraint("role IN ('pull', 'submit', 'admin')", name="role"),
+        {"comment": "Bearer tokens of the HTTP API. Only their sha256 is stored."},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    name: Mapped[str] = mapped_column(
+        String(128), unique=True, comment="Who holds it ('edge-042', 'ci'); recorded as submitter."
+    )
+    role: Mapped[str] = mapped_column(
+        String(16), comment="'pull' (resolve, download, report), 'submit' (+ jobs), 'admin' (all)."
+    )
+    token_sha256: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="sha256 of the token; the token itself is never stored."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="Created, UTC.")
+    revoked_at: Mapped[datetime | None] = mapped_column(comment="Revoked, UTC; null while valid.")
+    last_used_at: Mapped[datetime | None] = mapped_column(comment="Last authenticated request.")

@@ -10,19 +10,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.checks import sha256_check
+
 revision = "0001"
 down_revision = None
 branch_labels = None
 depends_on = None
-
-
-def _sha256_check(column: str, name: str) -> sa.CheckConstraint:
-    """`column` holds 64 lower-case hex characters: a regex on PostgreSQL, GLOB on SQLite."""
-    if op.get_bind().dialect.name == "postgresql":
-        sql = f"{column} ~ '^[0-9a-f]{{64}}$'"
-    else:
-        sql = f"length({column}) = 64 AND {column} NOT GLOB '*[^0-9a-f]*'"
-    return sa.CheckConstraint(sql, name=op.f(name))
 
 
 def upgrade() -> None:
@@ -59,7 +52,7 @@ def upgrade() -> None:
             nullable=False,
             comment="First submission, UTC.",
         ),
-        _sha256_check("digest", "ck_models_digest_sha256"),
+        sha256_check("digest", "ck_models_digest_sha256"),
         sa.CheckConstraint("format IN ('ir', 'onnx')", name=op.f("ck_models_format")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_models")),
         sa.UniqueConstraint("digest", name=op.f("uq_models_digest")),
@@ -166,7 +159,7 @@ def upgrade() -> None:
             nullable=True,
             comment="Peak resident memory of the compiling process, bytes.",
         ),
-        _sha256_check("cache_key", "ck_jobs_cache_key_sha256"),
+        sha256_check("cache_key", "ck_jobs_cache_key_sha256"),
         sa.CheckConstraint(
             "state IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')",
             name=op.f("ck_jobs_state"),
@@ -239,8 +232,8 @@ def upgrade() -> None:
         sa.Column(
             "created_at", sa.DateTime(timezone=True), nullable=False, comment="Recorded, UTC."
         ),
-        _sha256_check("cache_key", "ck_blobs_cache_key_sha256"),
-        _sha256_check("sha256", "ck_blobs_sha256_sha256"),
+        sha256_check("cache_key", "ck_blobs_cache_key_sha256"),
+        sha256_check("sha256", "ck_blobs_sha256_sha256"),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_blobs_job_id_jobs")),
         sa.ForeignKeyConstraint(["model_id"], ["models.id"], name=op.f("fk_blobs_model_id_models")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_blobs")),
@@ -269,7 +262,7 @@ def upgrade() -> None:
         sa.Column(
             "created_at", sa.DateTime(timezone=True), nullable=False, comment="Reported, UTC."
         ),
-        _sha256_check("cache_key", "ck_pulls_cache_key_sha256"),
+        sha256_check("cache_key", "ck_pulls_cache_key_sha256"),
         sa.ForeignKeyConstraint(["blob_id"], ["blobs.id"], name=op.f("fk_pulls_blob_id_blobs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_pulls")),
         comment="One edge download and import of a blob, as the edge reported it.",

@@ -32,7 +32,7 @@ def submit_direct(farm, xml, send: bool = True, **spec) -> service.Submission:
     spec = CompileSpec.create("CPU", **spec)
     ref = service.ModelRef.from_path(xml)
     with farm.sessions() as session:
-        submission = service.submit(
+        submission = service.submit_from_disk(
             session, farm.store, ref, spec, host_toolchain(spec.target), queue="compile.cpu"
         )
         if send and submission.outcome == "queued":

@@ -1,0 +1,189 @@
+"""HTTP client of the farm API, for the CLI and the edge agent (httpx only: edge-safe)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+UPLOAD_CHUNK = 1 << 20
+Progress = Callable[[int], None]
+
+
+class ApiError(Exception):
+    """The API refused a request: `status`, its stable `code`, and the human `message`."""
+
+    def __init__(self, status: int, code: str, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details or {}
+
+
+class FarmClient:
+    def __init__(self, base_url: str, token: str | None, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> FarmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise ApiError(
+                0,
+                "unreachable",
+                f"cannot reach the farm API at {self.http.base_url} (FARM_API_URL): {error}",
+            ) from error
+        _raise_for_error(response)
+        return response.json()
+
+    # --- models and submissions ---------------------------------------------------------------
+
+    def missing(self, digests: list[str]) -> list[str]:
+        return self._call("POST", "/v1/models/missing", json={"sha256": digests})["missing"]
+
+    def upload(self, sha256: str, path: Path, progress: Progress | None = None) -> dict:
+        """Stream one file up (never held whole in memory); the server checks its sha256."""
+        size = Path(path).stat().st_size
+
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb") as source:
+                while chunk := source.read(UPLOAD_CHUNK):
+                    if progress:
+                        progress(len(chunk))
+                    yield chunk
+
+        return self._call(
+            "PUT",
+            f"/v1/models/{sha256}",
+            content=chunks(),
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
+
+    def submit(
+        self, model: dict[str, str], name: str, specs: list[dict], toolchain: dict[str, Any]
+    ) -> dict:
+        return self._call(
+            "POST",
+            "/v1/submissions",
+            json={"model": model, "model_name": name, "specs": specs, "toolchain": toolchain},
+        )
+
+    # --- jobs ---------------------------------------------------------------------------------
+
+    def job(self, job_id: int) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self, **filters: Any) -> list[dict]:
+        params = {k: v for k, v in filters.items() if v is not None}
+        return self._call("GET", "/v1/jobs", params=params)
+
+    def log(self, job_id: int) -> str:
+        return self._call("GET", f"/v1/jobs/{job_id}/log")["log"]
+
+    def cancel(self, job_id: int) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def workers(self) -> list[dict]:
+        return self._call("GET", "/v1/workers")
+
+    # --- blobs --------------------------------------------------------------------------------
+
+    def resolve(self, cache_key: str) -> dict | None:
+        try:
+            return self._call("GET", f"/v1/blobs/{cache_key}")
+        except ApiError as error:
+            if error.code == "not_found":
+                return None
+            raise
+
+    def blobs(self, target: str | None = None) -> list[dict]:
+        return self._call("GET", "/v1/blobs", params={"target": target} if target else None)
+
+    def download(self, cache_key: str, dest: Path, progress: Progress | None = None) -> None:
+        """Stream the blob to `dest`, appending from its current size (a resumed download).
+
+        The API answers with a redirect to a presigned URL (S3: fetched without our token) or
+        with the bytes themselves (local store); both honour HTTP Range.
+        """
+        start = dest.stat().st_size if dest.exists() else 0
+        ranged = {"Range": f"bytes={start}-"} if start else {}
+        path = f"/v1/blobs/{cache_key}/download"
+        try:
+            with self.http.stream("GET", path, headers=ranged, follow_redirects=False) as response:
+                if not response.is_redirect:
+                    return _save(response, dest, start, progress)
+                location = response.headers["location"]
+            with httpx.stream(
+                "GET", location, headers=ranged, timeout=httpx.Timeout(60, connect=10)
+            ) as response:
+                return _save(response, dest, start, progress)
+        except httpx.TransportError as error:
+            raise ApiError(
+                0, "unreachable", f"download of {cache_key} broke off: {error}"
+            ) from error
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> dict:
+        return self._call(
+            "POST",
+            f"/v1/blobs/{cache_key}/pulls",
+            json={"agent_id": agent_id, "ok": ok, "import_seconds": import_seconds, "error": error},
+        )
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    response.read()
+    try:
+        body = response.json()
+        raise ApiError(
+            response.status_code,
+            body.get("code", "http_error"),
+            body.get("message", response.text),
+            body.get("details"),
+        )
+    except ValueError:
+        raise ApiError(
+            response.status_code,
+            "http_error",
+            f"HTTP {response.status_code}: {response.text[:200]}",
+        ) from None
+
+
+def _save(response: httpx.Response, dest: Path, start: int, progress: Progress | None) -> None:
+    if response.status_code == 416 and start:
+        return  # nothing left to fetch
+    _raise_for_error(response)
+    resumed = start and response.status_code == 206
+    with open(dest, "ab" if resumed else "wb") as sink:
+        for chunk in response.iter_bytes(UPLOAD_CHUNK):
+            sink.write(chunk)
+            if progress:
+                progress(len(chunk))
+
+
+def from_environment() -> FarmClient:
+    return FarmClient(os.environ["FARM_API_URL"], os.environ.get("FARM_TOKEN"))

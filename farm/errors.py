@@ -1,0 +1,9 @@
+"""Errors shared by the CLI, the API and the edge; no dependencies, so the edge can use them."""
+
+
+class NotFound(LookupError):
+    """No job or blob by that id or cache key."""
+
+
+class IntegrityMismatch(Exception):
+    """Stored or downloaded bytes do not match their recorded sha256."""
