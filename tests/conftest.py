@@ -119,3 +119,19 @@ def served(tmp_path, served_env):
     farm = ServedFarm(served_env, logs)
     yield farm
     farm.stop()
+
+
+@pytest.fixture
+def api(served, tmp_path):
+    """The served farm's HTTP API, and a token per role: `api.tokens["pull"]`, ..."""
+    from farm.tokens import create_token
+    from tests.integration.served import ApiServer
+
+    server = ApiServer(served.env, tmp_path / "logs" / "api.log").start()
+    with served.sessions() as session:
+        server.tokens = {
+            role: create_token(session, f"test-{role}", role)
+            for role in ("pull", "submit", "admin")
+        }
+    yield server
+    server.stop()

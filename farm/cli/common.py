@@ -12,7 +12,6 @@ import click
 from rich.console import Console
 
 from farm.config import get_settings
-from farm.spec import CompileSpec
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -113,9 +112,12 @@ def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
     """The compile-spec flags, shared by `submit` and `pull MODEL`."""
     options = [
         click.option(
-            "--device", "-d", required=device_required, help="NPU platform (4000, NPU.4000) or CPU."
+            "--device",
+            "-d",
+            required=device_required,
+            help="NPU platform (4000, NPU.4000) or CPU; a list: 3720,4000.",
         ),
-        click.option("--tiles", type=int, help="NPU tiles (1 to the platform's maximum)."),
+        click.option("--tiles", help="NPU tiles, 1 to the platform's maximum; a list: 2,4."),
         click.option("--hint", help="Performance hint: LATENCY or THROUGHPUT."),
         click.option(
             "--compiler-params",
@@ -124,7 +126,7 @@ def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
         click.option(
             "--shape", "shapes", multiple=True, help="Input shape NAME[d1,d2,...]; repeatable."
         ),
-        click.option("--batch", type=int, help="Batch size, set on the layout's N axis."),
+        click.option("--batch", help="Batch size on the layout's N axis; a list: 1,4."),
         click.option(
             "--layout", "layouts", multiple=True, help="Input layout NAME:NCHW; repeatable."
         ),
@@ -142,20 +144,6 @@ def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
         return command
 
     return decorate
-
-
-def spec_from_options(options: dict[str, Any]) -> CompileSpec:
-    return CompileSpec.create(
-        options.pop("device"),
-        tiles=options.pop("tiles"),
-        performance_hint=options.pop("hint"),
-        compiler_params=options.pop("compiler_params"),
-        shapes=options.pop("shapes"),
-        batch=options.pop("batch"),
-        layout=options.pop("layouts"),
-        weightless=options.pop("weightless"),
-        config=options.pop("configs"),
-    )
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

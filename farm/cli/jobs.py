@@ -325,7 +325,10 @@ def pull(key_or_model: str, output: Path, quiet: bool, as_json: bool, **options:
     else:
         from farm import service
 
-        (spec,) = specs_from_options(options)
+        specs = specs_from_options(options)
+        if len(specs) != 1:
+            raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
+        spec = specs[0]
         ref = service.ModelRef.from_path(key_or_model, digests=_digests())
         key = service.key_for(ref.identity, spec, _toolchain_for([spec]))
     farm = backend()

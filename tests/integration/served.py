@@ -127,3 +127,52 @@ class ServedFarm:
     def blobs(self) -> list[Blob]:
         with self.sessions() as session:
             return list(session.scalars(select(Blob)))
+
+
+@dataclass
+class ApiServer:
+    """`farm api` (uvicorn) on a loopback port of its own."""
+
+    env: dict[str, str]
+    log: Path
+    port: int = 0
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ApiServer:
+        import httpx
+
+        from tests.integration.faults import free_port
+
+        self.port = self.port or free_port()
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "farm", "api", "--port", str(self.port)],
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        def healthy() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"farm api exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 60, "the API to answer")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def requests_logged(self, fragment: str) -> int:
+        return self.log.read_text(errors="replace").count(fragment)

@@ -1,0 +1,295 @@
+"""The HTTP API through a real uvicorn server, with the real services and a real worker."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import httpx
+import pytest
+
+from farm.db.models import Blob, Job, Pull
+from farm.tokens import revoke_token
+from tests import models
+
+ZERO_KEY = "0" * 64
+
+
+@pytest.fixture
+def conv_xml(tmp_path):
+    return models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+
+
+def http(api, role: str | None = "admin") -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api.tokens[role]}"} if role else {}
+    return httpx.Client(base_url=api.url, headers=headers, timeout=30)
+
+
+def cli_env(api, role: str = "submit") -> dict[str, str]:
+    return {
+        "FARM_API_URL": api.url,
+        "FARM_TOKEN": api.tokens[role],
+        # The submitter holds no database, broker or storage settings.
+        "FARM_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none",
+        "FARM_BROKER_URL": "",
+        "FARM_STORAGE_URL": "/nonexistent",
+    }
+
+
+def test_cli_over_http_submit_wait_status_logs_pull_and_a_hit_uploads_nothing(
+    served, api, conv_xml, tmp_path
+):
+    served.start_worker("w1")
+    env = cli_env(api)
+    first = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--wait", env=env)
+    assert first["outcome"] == "queued" and first["job"]["state"] == "succeeded"
+    assert first["job"]["submitter"] == "test-submit"
+    assert api.requests_logged("PUT /v1/models/") == 2  # .xml and .bin
+
+    again = served.farm_json("submit", str(conv_xml), "-d", "CPU", env=env)
+    assert again["outcome"] == "hit"
+    assert api.requests_logged("PUT /v1/models/") == 2  # a hit uploads nothing
+
+    job_id = str(first["job"]["id"])
+    assert served.farm_json("status", job_id, env=env)["state"] == "succeeded"
+    assert served.farm_json("status", first["cache_key"], env=env)["blob"]["target"] == "CPU"
+    assert "toolchain=" in served.farm("logs", job_id, env=env).stdout
+    assert [j["id"] for j in served.farm_json("jobs", "--state", "succeeded", env=env)] == [
+        int(job_id)
+    ]
+    assert [w["name"] for w in served.farm_json("workers", env=env)] == ["w1"]
+    assert len(served.farm_json("blobs", env=env)) == 1
+
+    out = tmp_path / "pulled.blob"
+    pull_env = cli_env(api, "pull")
+    served.farm("pull", first["cache_key"], "-o", str(out), env=pull_env)
+    (blob,) = served.blobs()
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == blob.sha256
+    by_model = tmp_path / "by-model.blob"
+    served.farm("pull", str(conv_xml), "-d", "CPU", "-o", str(by_model), env=pull_env)
+    assert by_model.read_bytes() == out.read_bytes()
+
+
+def test_matrix_submit_makes_one_job_per_combination(served, api, tmp_path):
+    xml = models.save_ir(models.dynamic_net(), tmp_path / "dyn" / "dyn.xml")
+    result = served.farm(
+        "submit",
+        str(xml),
+        "-d",
+        "CPU,4000",
+        "--batch",
+        "1,4",
+        "--layout",
+        "image:NCHW",
+        "--json",
+        env=cli_env(api),
+        check=False,
+    )
+    # NPU.4000 needs static shapes: the dynamic model is refused before anything is sent.
+    assert result.returncode == 2 and "needs static shapes" in result.stderr
+    assert served.count(Job) == 0
+
+    answer = served.farm_json(
+        "submit",
+        str(xml),
+        "-d",
+        "CPU",
+        "--batch",
+        "1,2,4",
+        "--layout",
+        "image:NCHW",
+        env=cli_env(api),
+    )
+    assert len(answer["results"]) == 3
+    jobs = [r["job"] for r in answer["results"]]
+    assert {j["submission_id"] for j in jobs} == {answer["submission_id"]}
+    assert sorted(j["spec"]["batch"] for j in jobs) == [1, 2, 4]
+    assert len({r["cache_key"] for r in answer["results"]}) == 3
+
+
+def test_roles_and_tokens(served, api):
+    for role, expected in (("pull", 403), ("submit", 200), ("admin", 200)):
+        with http(api, role) as client:
+            assert client.get("/v1/jobs").status_code == expected, role
+            assert client.get(f"/v1/blobs/{ZERO_KEY}").status_code == 404, role
+            assert client.get("/v1/blobs").status_code == 200, role
+    with http(api, None) as client:
+        response = client.get("/v1/blobs")
+        assert response.status_code == 401 and response.json()["code"] == "unauthorized"
+    forged = httpx.get(f"{api.url}/v1/blobs", headers={"Authorization": "Bearer farm_forged"})
+    assert forged.status_code == 401
+    with served.sessions() as session:
+        revoke_token(session, "test-submit")
+    with http(api, "submit") as client:
+        assert client.get("/v1/jobs").status_code == 401
+    with http(api, "pull") as client:
+        body = {
+            "model": {"onnx": ZERO_KEY},
+            "model_name": "m",
+            "specs": [{"target": "CPU"}],
+            "toolchain": {"openvino": "2026.4.1", "runtime_requirements": "x"},
+        }
+        response = client.post("/v1/submissions", json=body)
+        assert response.status_code == 403 and response.json()["code"] == "forbidden"
+
+
+def test_pull_reports_and_download_redirects_to_a_presigned_url(served, api, conv_xml):
+    served.start_worker("w1")
+    result = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--wait", env=cli_env(api))
+    key = result["cache_key"]
+    with http(api, "pull") as client:
+        meta = client.get(f"/v1/blobs/{key}").json()
+        assert meta["target"] == "CPU" and meta["toolchain"]["runtime_requirements"]
+        response = client.get(f"/v1/blobs/{key}/download", follow_redirects=False)
+        assert response.status_code == 307
+        data = httpx.get(response.headers["location"]).content  # no token needed
+        assert hashlib.sha256(data).hexdigest() == meta["sha256"]
+        ranged = httpx.get(response.headers["location"], headers={"Range": "bytes=0-9"})
+        assert ranged.status_code == 206 and ranged.content == data[:10]
+        report = {"agent_id": "edge-1", "ok": True, "import_seconds": 0.02}
+        assert client.post(f"/v1/blobs/{key}/pulls", json=report).status_code == 201
+        bad = client.post(f"/v1/blobs/{key}/pulls", json={**report, "import_seconds": -1})
+        assert bad.status_code == 422
+    assert served.count(Pull) == 1
+
+
+def test_uploads_are_verified_and_limited(served, api, tmp_path):
+    data = b"weights" * 1000
+    sha = hashlib.sha256(data).hexdigest()
+    octet = {"Content-Type": "application/octet-stream"}
+    with http(api, "submit") as client:
+        assert client.post("/v1/models/missing", json={"sha256": [sha]}).json() == {
+            "missing": [sha]
+        }
+        wrong = client.put(f"/v1/models/{'1' * 64}", content=data, headers=octet)
+        assert wrong.status_code == 422 and wrong.json()["code"] == "digest_mismatch"
+        form = client.put(f"/v1/models/{sha}", content=data, headers={"Content-Type": "text/plain"})
+        assert form.status_code == 415
+        assert client.put(f"/v1/models/{sha}", content=data, headers=octet).status_code == 201
+        assert client.post("/v1/models/missing", json={"sha256": [sha]}).json() == {"missing": []}
+    assert not served.store.exists(f"models/{'1' * 64}")
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "code"),
+    [
+        ("{not json", "application/json", "invalid_request"),
+        (
+            json.dumps({"model": {}, "model_name": "m", "specs": [], "toolchain": {}}),
+            "application/json",
+            "invalid_request",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": {"onnx": ZERO_KEY},
+                    "model_name": "m",
+                    "specs": [{"target": "CPU"}],
+                    "toolchain": {"openvino": "2026.4.1", "runtime_requirements": "x"},
+                    "colour": "red",
+                }
+            ),
+            "application/json",
+            "invalid_request",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": {"onnx": ZERO_KEY},
+                    "model_name": "m",
+                    "specs": [{"target": "GPU"}],
+                    "toolchain": {"openvino": "2026.4.1"},
+                }
+            ),
+            "application/json",
+            "invalid_spec",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": {"onnx": ZERO_KEY},
+                    "model_name": "m",
+                    "specs": [{"target": "4000", "tiles": 9}],
+                    "toolchain": {"openvino": "2026.4.1"},
+                }
+            ),
+            "application/json",
+            "invalid_spec",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": {"onnx": ZERO_KEY},
+                    "model_name": "m",
+                    "specs": [{"target": "4000"}] * 65,
+                    "toolchain": {"openvino": "2026.4.1"},
+                }
+            ),
+            "application/json",
+            "matrix_too_large",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": {"onnx": ZERO_KEY},
+                    "model_name": "m",
+                    "specs": [{"target": "4000"}],
+                    "toolchain": {"openvino": "2026.4.1"},
+                }
+            ),
+            "application/json",
+            "model_missing",
+        ),
+        ("model=x", "application/x-www-form-urlencoded", "invalid_request"),
+    ],
+    ids=[
+        "malformed-json",
+        "empty",
+        "unknown-field",
+        "unknown-device",
+        "tiles",
+        "matrix",
+        "model-missing",
+        "form",
+    ],
+)
+def test_bad_submissions_are_4xx_and_store_nothing(served, api, body, content_type, code):
+    with http(api, "submit") as client:
+        response = client.post(
+            "/v1/submissions", content=body, headers={"Content-Type": content_type}
+        )
+        assert 400 <= response.status_code < 500, response.text
+        assert response.json()["code"] == code, response.text
+        assert response.json()["message"]
+        assert client.get("/healthz").status_code == 200  # still serving
+    assert served.count(Job) == 0 and served.count(Blob) == 0
+
+
+def test_limits_refuse_clearly(served, tmp_path):
+    from farm.tokens import create_token
+    from tests.integration.served import ApiServer
+
+    env = {**served.env, "FARM_MAX_UPLOAD_BYTES": "10", "FARM_API_REQUESTS_PER_MINUTE": "3"}
+    server = ApiServer(env, tmp_path / "limited.log").start()
+    try:
+        with served.sessions() as session:
+            token = create_token(session, "limited", "submit")
+        client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"})
+        big = client.put(
+            f"/v1/models/{ZERO_KEY}",
+            content=b"x" * 11,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert big.status_code == 413 and big.json()["code"] == "too_large"
+        statuses = [client.get("/v1/jobs").status_code for _ in range(4)]
+        assert statuses[-1] == 429 and client.get("/v1/jobs").json()["code"] == "rate_limited"
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_openapi_and_health(api):
+    spec = httpx.get(f"{api.url}/openapi.json").json()
+    assert "/v1/submissions" in spec["paths"] and "/v1/blobs/{cache_key}/download" in spec["paths"]
+    ready = httpx.get(f"{api.url}/readyz").json()
+    assert ready["ready"] is True and set(ready["checks"]) == {"database", "broker", "storage"}
