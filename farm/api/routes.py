@@ -9,7 +9,7 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
 from farm import routing, service
@@ -24,12 +24,13 @@ from farm.api.schemas import (
     SubmissionRequest,
     SubmissionResponse,
     SubmissionResult,
+    Text,
     WorkerOut,
 )
 from farm.db.models import Blob, Job, Pull
 from farm.spec import CompileSpec, Toolchain
 from farm.tokens import Caller
-from farm.views import blob_dict, job_dict
+from farm.views import blob_dict, job_dict, worker_dict
 
 router = APIRouter()
 pull_role = Depends(caller_with("pull"))
@@ -119,7 +120,10 @@ async def upload_model(sha256: Sha256, request: Request, _: Caller = submit_role
 
 @router.post("/v1/submissions", tags=["jobs"], responses={409: {}})
 def submit(
-    body: SubmissionRequest, request: Request, caller: Caller = submit_role
+    body: SubmissionRequest,
+    request: Request,
+    background: BackgroundTasks,
+    caller: Caller = submit_role,
 ) -> SubmissionResponse:
     """Submit one spec or a matrix for one model: one result per spec (hit, existing, queued).
     A hit needs no model upload; a new job needs the model files (409 `model_missing`)."""
@@ -168,6 +172,8 @@ def submit(
         for job_id, queue in to_send:
             if request.app.state.dispatcher is not None:
                 request.app.state.dispatcher.send(session, job_id, queue)
+            else:  # no broker: this process is the farm's only worker
+                background.add_task(farm.run, job_id)
         return SubmissionResponse(
             submission_id=submission_id,
             results=[
@@ -194,9 +200,9 @@ def _model_size(store, model: dict[str, str]) -> int:
 def list_jobs(
     request: Request,
     state: str | None = Query(None, pattern="^(queued|running|succeeded|failed|cancelled)$"),
-    target: str | None = Query(None, max_length=32),
-    model: str | None = Query(None, max_length=256, description="Model digest or name."),
-    submitter: str | None = Query(None, max_length=128),
+    target: Text | None = Query(None, max_length=32),
+    model: Text | None = Query(None, max_length=256, description="Model digest or name."),
+    submitter: Text | None = Query(None, max_length=128),
     since: datetime | None = None,
     limit: int = Query(50, ge=1, le=1000),
     _: Caller = submit_role,
@@ -236,7 +242,7 @@ def cancel_job(job_id: int, request: Request, _: Caller = submit_role) -> JobOut
 
 @router.get("/v1/blobs", tags=["blobs"])
 def list_blobs(
-    request: Request, target: str | None = Query(None, max_length=32), _: Caller = pull_role
+    request: Request, target: Text | None = Query(None, max_length=32), _: Caller = pull_role
 ) -> list[BlobOut]:
     with farm_of(request).session() as session:
         return [_blob_out(b) for b in service.list_blobs(session, target)]
@@ -302,20 +308,7 @@ def workers(request: Request, _: Caller = submit_role) -> list[WorkerOut]:
         live = {
             w.name for w in routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
         }
-        return [
-            WorkerOut(
-                name=w.name,
-                host=w.host,
-                live=w.name in live,
-                queues=w.queues,
-                targets=w.targets,
-                openvino=w.openvino_version,
-                memory_bytes=w.memory_bytes,
-                heartbeat_at=w.heartbeat_at,
-                stopped_at=w.stopped_at,
-            )
-            for w in routing.all_workers(session)
-        ]
+        return [WorkerOut(**worker_dict(w, w.name in live)) for w in routing.all_workers(session)]
 
 
 def _job_id(job_id: int) -> int:

@@ -5,10 +5,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL; refuse it here as bad input rather than fail at INSERT.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+"""Any text that may reach the database."""
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+Name = Annotated[Text, StringConstraints(min_length=1, max_length=256)]
 
 
 class Strict(BaseModel):
@@ -34,11 +44,11 @@ class SpecIn(Strict):
 
     target: Name
     tiles: int | None = None
-    performance_hint: str | None = Field(None, max_length=32)
-    compiler_params: str | None = Field(None, max_length=512)
+    performance_hint: Text | None = Field(None, max_length=32)
+    compiler_params: Text | None = Field(None, max_length=512)
     shapes: dict[Name, list[int]] = Field(default_factory=dict, max_length=64)
     batch: int | None = None
-    layout: dict[Name | Literal[""], Annotated[str, StringConstraints(max_length=64)]] = Field(
+    layout: dict[Name | Literal[""], Annotated[Text, StringConstraints(max_length=64)]] = Field(
         default_factory=dict, max_length=64
     )
     weightless: bool = False
@@ -50,7 +60,7 @@ class SpecIn(Strict):
 
 class ToolchainIn(Strict):
     openvino: Annotated[str, StringConstraints(pattern=r"^\d{4}\.\d+\.\d+$")]
-    runtime_requirements: Annotated[str, StringConstraints(max_length=512)] | None = None
+    runtime_requirements: Annotated[Text, StringConstraints(max_length=512)] | None = None
 
 
 class SubmissionRequest(Strict):
@@ -114,7 +124,7 @@ class PullIn(Strict):
     agent_id: Name
     ok: bool
     import_seconds: float | None = Field(None, ge=0, le=86400)
-    error: Annotated[str, StringConstraints(max_length=4000)] | None = None
+    error: Annotated[Text, StringConstraints(max_length=4000)] | None = None
 
 
 class WorkerOut(BaseModel):

@@ -7,7 +7,7 @@ Timestamps are UTC, sizes bytes, durations seconds. Changes only through Alembic
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -26,6 +26,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")
@@ -40,9 +41,30 @@ NAMING_CONVENTION = {
 }
 
 
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every dialect.
+
+    SQLite has no time zones and hands back naive datetimes; mixing those with the aware ones
+    the code makes raises TypeError. Values are stored as UTC and read back aware.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}  # noqa: RUF012
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime()}  # noqa: RUF012
 
 
 def sha256_checks(column: str) -> tuple[CheckConstraint, CheckConstraint]:
