@@ -20,7 +20,11 @@ class Settings(BaseSettings):
     """``s3://bucket/prefix`` or a folder; default ``<home>/store``."""
 
     cache_dir: Path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "farm"
-    """Client-side caches: file digests, and (on edges) downloaded blobs."""
+    """Client-side caches: file digests, and (on edges) downloaded blobs under ``blobs/``."""
+    cache_max_bytes: int | None = None
+    """Cap of the edge's blob cache; least recently used blobs go first. Unset: no cap."""
+    agent_id: str | None = None
+    """Name this edge reports its pulls under; default: the host name."""
     broker_url: str | None = None
     """Redis URL of the Celery broker. Set: served mode (jobs go to workers)."""
     s3_endpoint_url: str | None = None

@@ -9,7 +9,7 @@ one transaction, after the blob is stored and its sha256 known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,8 +20,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from farm import hashing
-from farm.db.models import ACTIVE_STATES, Blob, Job, Model
+from farm.db.models import ACTIVE_STATES, Blob, Job, Model, Pull
 from farm.errors import IntegrityMismatch, NotFound
+from farm.identity import ModelInfo, ModelRef, key_for
 from farm.spec import CompileSpec, Target, Toolchain
 from farm.storage import BlobStore
 
@@ -39,44 +40,6 @@ class ModelMissing(LookupError):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """A model as the farm knows it: the digests of its files by role, a name, its size."""
-
-    identity: dict[str, str]
-    name: str
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A model on the submitter's disk: its files by role, their digests, its display name."""
-
-    files: dict[str, Path]
-    identity: dict[str, str]
-    name: str
-
-    @classmethod
-    def from_path(
-        cls,
-        path: str | Path,
-        progress: Callable[[int], None] | None = None,
-        digests: Callable[[Path, Callable[[int], None] | None], str] = hashing.sha256_file,
-    ) -> ModelRef:
-        """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
-        files = hashing.model_files(path)
-        identity = {role: digests(file, progress) for role, file in sorted(files.items())}
-        return cls(files, identity, Path(path).name)
-
-    @property
-    def size_bytes(self) -> int:
-        return sum(file.stat().st_size for file in self.files.values())
-
-    @property
-    def info(self) -> ModelInfo:
-        return ModelInfo(dict(self.identity), self.name, self.size_bytes)
-
-
-@dataclass(frozen=True)
 class Submission:
     outcome: Outcome
     cache_key: str
@@ -89,12 +52,6 @@ def model_storage_key(sha256: str) -> str:
 
 def blob_storage_key(cache_key: str) -> str:
     return f"blobs/{cache_key}.blob"
-
-
-def key_for(identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain) -> str:
-    return hashing.cache_key(
-        identity, spec.target.name, spec.canonical(), toolchain.key_part(spec.target)
-    )
 
 
 def submit(
@@ -218,6 +175,32 @@ def fetch_blob(store: BlobStore, blob: Blob, output: Path) -> None:
         partial.replace(output)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def record_pull(
+    session: Session,
+    cache_key: str,
+    agent_id: str,
+    ok: bool,
+    import_seconds: float | None = None,
+    error: str | None = None,
+) -> Pull:
+    """An edge's report of one pull: who, how long the import took, ok or why not."""
+    blob = resolve(session, cache_key)
+    if blob is None:
+        raise NotFound(f"no blob for cache key {cache_key}")
+    pull = Pull(
+        blob_id=blob.id,
+        cache_key=cache_key,
+        agent_id=agent_id,
+        import_seconds=import_seconds,
+        ok=ok,
+        error=error,
+        created_at=now(),
+    )
+    session.add(pull)
+    session.commit()
+    return pull
 
 
 def cancel(session: Session, job_id: int) -> Job:

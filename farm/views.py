@@ -31,6 +31,7 @@ def blob_dict(blob) -> dict[str, Any]:
     return {
         "cache_key": blob.cache_key,
         "target": blob.target,
+        "model": dict(blob.model.files),
         "openvino": blob.openvino_version,
         "toolchain": blob.toolchain,
         "size_bytes": blob.size_bytes,

@@ -14,6 +14,12 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 
 
+@pytest.fixture(autouse=True)
+def private_client_cache(tmp_path, monkeypatch) -> None:
+    """Digest and edge blob caches of this test's own (never the user's ~/.cache/farm)."""
+    monkeypatch.setenv("FARM_CACHE_DIR", str(tmp_path / "client-cache"))
+
+
 def service_missing(what: str, error: Exception) -> None:
     message = f"{what} is not available: {error}"
     if os.environ.get("CI") == "true":

@@ -27,7 +27,7 @@ from farm.api.schemas import (
     Text,
     WorkerOut,
 )
-from farm.db.models import Blob, Job, Pull
+from farm.db.models import Blob, Job
 from farm.spec import CompileSpec, Toolchain
 from farm.tokens import Caller
 from farm.views import blob_dict, job_dict, worker_dict
@@ -286,18 +286,10 @@ def report_pull(
 ) -> dict:
     """An edge reports one pull: who, import seconds, ok or the error."""
     with farm_of(request).session() as session:
-        blob = _blob(session, cache_key)
-        pull = Pull(
-            blob_id=blob.id,
-            cache_key=cache_key,
-            agent_id=body.agent_id,
-            import_seconds=body.import_seconds,
-            ok=body.ok,
-            error=body.error,
-            created_at=service.now(),
+        _blob(session, cache_key)
+        pull = service.record_pull(
+            session, cache_key, body.agent_id, body.ok, body.import_seconds, body.error
         )
-        session.add(pull)
-        session.commit()
         return {"id": pull.id}
 
 

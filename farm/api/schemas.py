@@ -108,6 +108,8 @@ class SubmissionResponse(BaseModel):
 class BlobOut(BaseModel):
     cache_key: str
     target: str
+    model: dict[str, str]
+    """sha256 of each model file by role: an edge checks a weightless blob's .bin with it."""
     openvino: str
     toolchain: dict[str, Any]
     size_bytes: int

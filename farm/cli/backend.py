@@ -31,12 +31,12 @@ class Direct:
     ) -> dict:
         import uuid
 
-        from farm import compiler, routing, service
+        from farm import compiler, identity, routing, service
 
         settings, results, submission_id = self.farm.settings, [], uuid.uuid4().hex
         with self.farm.session() as session:
             for spec in specs:
-                key = service.key_for(ref.identity, spec, toolchain)
+                key = identity.key_for(ref.identity, spec, toolchain)
                 if not settings.served and service.resolve(session, key) is None:
                     # Embedded compiles here: refuse what this host cannot compile before
                     # anything is stored.
@@ -119,18 +119,31 @@ class Direct:
             job = service.latest_job_for_key(session, cache_key)
             return job_dict(job) if job else None
 
-    def fetch(self, cache_key: str, output: Path, progress: Progress = None) -> dict:
+    def download(self, cache_key: str, dest: Path, progress: Progress = None) -> None:
+        """Copy the stored blob to `dest` (the edge agent verifies it)."""
         from farm import service
-        from farm.views import blob_dict
 
         with self.farm.session() as session:
             blob = service.resolve(session, cache_key)
             if blob is None:
-                raise service.NotFound(
-                    f"the farm has no blob for cache key {cache_key}; submit it first"
-                )
-            service.fetch_blob(self.farm.store, blob, output)
-            return blob_dict(blob)
+                raise service.NotFound(f"the farm has no blob for cache key {cache_key}")
+            storage_key = blob.storage_key
+        self.farm.store.get_file(storage_key, dest)
+        if progress:
+            progress(dest.stat().st_size)
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        from farm import service
+
+        with self.farm.session() as session:
+            service.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
 
     def blobs(self, target: str | None) -> list[dict]:
         from farm import service
@@ -198,28 +211,6 @@ class Http:
     def latest_job(self, cache_key: str) -> dict | None:
         jobs = self.client.jobs(cache_key=cache_key, limit=1)
         return jobs[0] if jobs else None
-
-    def fetch(self, cache_key: str, output: Path, progress: Progress = None) -> dict:
-        from farm import hashing
-        from farm.errors import IntegrityMismatch, NotFound
-
-        blob = self.client.resolve(cache_key)
-        if blob is None:
-            raise NotFound(f"the farm has no blob for cache key {cache_key}; submit it first")
-        output.parent.mkdir(parents=True, exist_ok=True)
-        partial = output.with_name(f".{output.name}.partial")
-        try:
-            self.client.download(cache_key, partial, progress)
-            actual = hashing.sha256_file(partial)
-            if actual != blob["sha256"]:
-                raise IntegrityMismatch(
-                    f"downloaded blob has sha256 {actual}, the farm "
-                    f"recorded {blob['sha256']}; not kept"
-                )
-            partial.replace(output)
-        finally:
-            partial.unlink(missing_ok=True)
-        return blob
 
     def blobs(self, target: str | None) -> list[dict]:
         return self.client.blobs(target)

@@ -18,9 +18,7 @@ import click
 
 from farm.cli import main
 from farm.cli.common import (
-    EXIT_BAD_INPUT,
     EXIT_JOB_FAILED,
-    FarmCliError,
     backend,
     check_key,
     emit,
@@ -34,7 +32,7 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
-from farm.spec import CompileSpec, SpecError, Target
+from farm.spec import CompileSpec, SpecError
 
 
 def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
@@ -303,84 +301,3 @@ def workers(show_all: bool, as_json: bool) -> None:
         out.print(table)
 
     emit(rows, as_json, human)
-
-
-@main.command()
-@click.argument("key_or_model")
-@click.option(
-    "--output",
-    "-o",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Where to write the blob.",
-)
-@spec_options(device_required=False)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@json_option
-@handle_errors
-def pull(key_or_model: str, output: Path, quiet: bool, as_json: bool, **options: Any) -> None:
-    """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key an edge would compute)."""
-    if options["device"] is None:
-        key = check_key(key_or_model)
-    else:
-        from farm import service
-
-        specs = specs_from_options(options)
-        if len(specs) != 1:
-            raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
-        spec = specs[0]
-        ref = service.ModelRef.from_path(key_or_model, digests=_digests())
-        key = service.key_for(ref.identity, spec, _toolchain_for([spec]))
-    farm = backend()
-    blob = farm.resolve(key)
-    if blob is None:
-        from farm.errors import NotFound
-
-        raise NotFound(f"the farm has no blob for cache key {key}; submit it first")
-    with progress_bar(f"downloading {key[:12]}", blob["size_bytes"], quiet or as_json) as advance:
-        farm.fetch(key, output, advance)
-    data = {"cache_key": key, "output": str(output), **blob}
-    emit(
-        data,
-        as_json,
-        lambda: out.print(
-            f"wrote {output} ({size_text(blob['size_bytes'])}, sha256 {blob['sha256'][:16]}…, "
-            f"{blob['target']})"
-        ),
-    )
-
-
-@main.command()
-@click.argument("blob", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--device", "-d", required=True, help="Device to import on: CPU or NPU.")
-@click.option(
-    "--weights",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The model's .bin, for a weightless blob.",
-)
-@json_option
-@handle_errors
-def run(blob: Path, device: str, weights: Path | None, as_json: bool) -> None:
-    """Import BLOB with OpenVINO and run one inference on random input."""
-    from farm.edge import import_blob, infer_once
-
-    target = Target.parse(device)
-    try:
-        imported = import_blob(blob, target.device, weights)
-    except RuntimeError as error:
-        raise FarmCliError(f"OpenVINO cannot import {blob}: {error}", EXIT_BAD_INPUT) from error
-    result = infer_once(imported)
-    data = {
-        "blob": str(blob),
-        "device": target.device,
-        "import_seconds": imported.import_seconds,
-        **result,
-    }
-    emit(
-        data,
-        as_json,
-        lambda: out.print(
-            f"imported {blob.name} on {target.device} in {imported.import_seconds * 1000:.1f} ms; "
-            f"one inference {result['latency_seconds'] * 1000:.2f} ms; outputs {result['outputs']}"
-        ),
-    )

@@ -25,7 +25,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -85,7 +85,10 @@ class Model(Base):
     __table_args__ = (
         *sha256_checks("digest"),
         CheckConstraint("format IN ('ir', 'onnx')", name="format"),
-        {"comment": "A model submitted to the farm, identified by the digests of its files."},
+        {
+            "comment": "A model submitted to the farm, identified by the digests of its files. "
+            "Inserted on first submission; never updated or deleted."
+        },
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
@@ -120,7 +123,11 @@ class Job(Base):
             postgresql_where=text(_ACTIVE_SQL),
         ),
         Index("ix_jobs_state_target", "state", "target"),
-        {"comment": "A request to produce the blob of one cache key, and what became of it."},
+        {
+            "comment": "A request to produce the blob of one cache key, and what became of it. "
+            "Inserted on submit; state, lease and timing columns change while it runs; "
+            "never deleted."
+        },
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="The job number users see.")
@@ -187,7 +194,10 @@ class Blob(Base):
     __table_args__ = (
         *sha256_checks("cache_key"),
         *sha256_checks("sha256"),
-        {"comment": "A compiled blob in storage. Written once, after its upload is verified."},
+        {
+            "comment": "A compiled blob in storage. Inserted once, after its upload is verified; "
+            "never updated; deleted only by `farm gc` (recorded in blob_deletions)."
+        },
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
@@ -221,12 +231,18 @@ class Blob(Base):
     export_seconds: Mapped[float | None] = mapped_column(Float, comment="Blob write time, s.")
     created_at: Mapped[datetime] = mapped_column(comment="Recorded, UTC.")
 
+    model: Mapped[Model] = relationship(lazy="joined")
+    """Its model (the digests of its files: an edge checks a weightless blob's .bin)."""
+
 
 class Pull(Base):
     __tablename__ = "pulls"
     __table_args__ = (
         *sha256_checks("cache_key"),
-        {"comment": "One edge download and import of a blob, as the edge reported it."},
+        {
+            "comment": "One edge download and import of a blob, as the edge reported it. "
+            "Inserted per report; never updated; deleted with its blob by `farm gc`."
+        },
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
@@ -243,7 +259,13 @@ class Pull(Base):
 
 class Worker(Base):
     __tablename__ = "workers"
-    __table_args__ = ({"comment": "Compile workers: what each serves, and when it was last seen."},)
+    __table_args__ = (
+        {
+            "comment": "Compile workers: what each serves, and when it was last seen. "
+            "Upserted at worker start; heartbeat_at updated while alive; stopped_at set on a "
+            "clean shutdown; never deleted."
+        },
+    )
 
     name: Mapped[str] = mapped_column(
         String(255), primary_key=True, comment="Celery node name (worker@host)."
@@ -268,7 +290,11 @@ class ApiToken(Base):
     __table_args__ = (
         *sha256_checks("token_sha256"),
         CheckConstraint("role IN ('pull', 'submit', 'admin')", name="role"),
-        {"comment": "Bearer tokens of the HTTP API. Only their sha256 is stored."},
+        {
+            "comment": "Bearer tokens of the HTTP API. Only their sha256 is stored. Inserted by "
+            "`farm token create`; last_used_at updated at most once a minute; revoked_at set "
+            "once by `farm token revoke`."
+        },
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
@@ -284,3 +310,46 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(comment="Created, UTC.")
     revoked_at: Mapped[datetime | None] = mapped_column(comment="Revoked, UTC; null while valid.")
     last_used_at: Mapped[datetime | None] = mapped_column(comment="Last authenticated request.")
+
+
+DELETION_STATES = ("pending", "deleted", "kept")
+
+
+class BlobDeletion(Base):
+    __tablename__ = "blob_deletions"
+    __table_args__ = (
+        *sha256_checks("cache_key"),
+        *sha256_checks("sha256"),
+        CheckConstraint(
+            "state IN ({})".format(", ".join(f"'{s}'" for s in DELETION_STATES)), name="state"
+        ),
+        {
+            "comment": "What `farm gc` removed: one row per blob row it deleted, kept as a record. "
+            "Inserted in the transaction that deletes the blob row; state changes once, when "
+            "its object is deleted from storage (or kept because the cache key is in use again)."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    cache_key: Mapped[str] = mapped_column(String(64), comment="Cache key of the deleted blob.")
+    storage_key: Mapped[str] = mapped_column(Text, comment="Its object key in storage.")
+    target: Mapped[str] = mapped_column(String(16), comment="Its target.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, comment="Its size, bytes.")
+    sha256: Mapped[str] = mapped_column(String(64), comment="sha256 of the stored file.")
+    blob_created_at: Mapped[datetime] = mapped_column(comment="When the blob was recorded, UTC.")
+    pulls: Mapped[int] = mapped_column(
+        Integer, comment="Pull reports deleted with it (keeps pull counts monotonic)."
+    )
+    last_pulled_at: Mapped[datetime | None] = mapped_column(
+        comment="Its last pull report, UTC; null if never pulled."
+    )
+    reason: Mapped[str] = mapped_column(Text, comment="Why: 'unpulled for 30 days'.")
+    deleted_at: Mapped[datetime] = mapped_column(comment="Blob row deleted, UTC.")
+    state: Mapped[str] = mapped_column(
+        String(16),
+        comment="'pending': the object is still in storage and the next `farm gc` deletes it; "
+        "'deleted': gone from storage; 'kept': the cache key was in use again, object kept.",
+    )
+    object_deleted_at: Mapped[datetime | None] = mapped_column(
+        comment="When the object was deleted from storage (or kept), UTC; null while pending."
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import openvino as ov
@@ -28,10 +28,15 @@ class ImportedBlob:
     compiled: ov.CompiledModel
     mapping: np.memmap
     import_seconds: float
+    lease: BinaryIO | None = None
+    """An open, share-locked handle on the cached file: the cache will not evict it."""
 
 
 def import_blob(
-    path: str | Path, device: str, weights_path: str | Path | None = None
+    path: str | Path,
+    device: str,
+    weights_path: str | Path | None = None,
+    lease: BinaryIO | None = None,
 ) -> ImportedBlob:
     """Import the blob at `path` for `device` ("CPU", "NPU") from a memory map.
 
@@ -47,7 +52,7 @@ def import_blob(
     if weights_path is not None:
         properties = {"CACHE_MODE": "OPTIMIZE_SIZE", "WEIGHTS_PATH": str(weights_path)}
     compiled = ov.Core().import_model(tensor, device, properties)
-    return ImportedBlob(compiled, mapping, time.perf_counter() - started)
+    return ImportedBlob(compiled, mapping, time.perf_counter() - started, lease)
 
 
 def infer_once(imported: ImportedBlob, seed: int = 0) -> dict[str, Any]:

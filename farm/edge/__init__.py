@@ -1,0 +1,104 @@
+"""The edge: get a ready `openvino.CompiledModel` from the farm instead of compiling.
+
+    import farm.edge
+    compiled = farm.edge.compile_model("unet.xml", device="4000", tiles=4)
+
+Needs `FARM_API_URL` (and a `pull` token in `FARM_TOKEN`); installs with ``farm[edge]``
+(openvino and an HTTP client, no compiler, database, broker or storage client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Literal
+
+from farm.config import Settings, get_settings
+
+from .agent import EdgeAgent, Incompatible
+from .cache import BlobCache
+from .importer import ImportedBlob, import_blob, infer_once
+
+__all__ = [
+    "BlobNotAvailable",
+    "EdgeAgent",
+    "ImportedBlob",
+    "Incompatible",
+    "agent_from_settings",
+    "compile_model",
+    "import_blob",
+    "infer_once",
+]
+
+
+class BlobNotAvailable(LookupError):
+    """The farm has no blob for this model and spec yet (and no local compile was allowed)."""
+
+
+def agent_from_settings(settings: Settings | None = None, source: Any = None) -> EdgeAgent:
+    """An agent on this machine's cache (`FARM_CACHE_DIR`) talking to `FARM_API_URL`."""
+    settings = settings or get_settings()
+    if source is None:
+        from farm.client import FarmClient
+
+        if not settings.api_url:
+            raise BlobNotAvailable("set FARM_API_URL (and FARM_TOKEN) to pull from a farm")
+        source = FarmClient(settings.api_url, settings.token)
+    cache = BlobCache(settings.cache_dir / "blobs", settings.cache_max_bytes)
+    return EdgeAgent(source, cache, settings.agent_id)
+
+
+def compile_model(
+    model_path: str | Path,
+    device: str = "CPU",
+    *,
+    fallback: Literal["compile"] | None = None,
+    submit: bool = False,
+    agent: EdgeAgent | None = None,
+    **spec: Any,
+):
+    """A ready `openvino.CompiledModel` for `model_path` compiled for `device` with `spec`
+    (the keyword arguments of `CompileSpec.create`: tiles, performance_hint, shapes...).
+
+    Pulls the farm's blob for the key this machine computes. When the farm has none, raises
+    `BlobNotAvailable`, unless `fallback="compile"`: then compiles here (and with
+    `submit=True` also submits the model, so the rest of the fleet gets the blob).
+    The returned model keeps its memory-mapped blob (and cache lease) alive as long as it lives.
+    """
+    from farm.compiler import host_toolchain
+    from farm.errors import NotFound
+    from farm.identity import ModelRef, key_for
+    from farm.spec import CompileSpec
+
+    compile_spec = CompileSpec.create(device, **spec)
+    ref = ModelRef.from_path(model_path)
+    key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target))
+    agent = agent or agent_from_settings()
+    try:
+        imported = agent.load(key, compile_spec.target.device, ref.files.get("bin"))
+    except NotFound:
+        if fallback != "compile":
+            raise BlobNotAvailable(
+                f"the farm has no blob for {ref.name} ({compile_spec.summary()}, key {key}); "
+                "submit it with `farm submit`, or pass fallback='compile'"
+            ) from None
+        return _compile_here(ref, compile_spec, agent if submit else None)
+    # OpenVINO reads the blob through the memory map for as long as the model lives.
+    imported.compiled.farm_import = imported
+    return imported.compiled
+
+
+def _compile_here(ref, spec, submit_with: EdgeAgent | None):
+    import openvino as ov
+
+    from farm.compiler import apply_shapes, compile_properties, host_toolchain, read_model
+
+    if submit_with is not None:
+        from farm.cli.backend import Http
+
+        quiet = lambda total: contextlib.nullcontext(lambda count: None)  # noqa: E731
+        Http(submit_with.source).submit(ref, [spec], host_toolchain(spec.target), quiet)
+    core = ov.Core()
+    model = read_model(core, ref.files)
+    apply_shapes(model, spec)
+    return core.compile_model(model, spec.target.device, compile_properties(spec))

@@ -1,0 +1,229 @@
+"""The edge agent: resolve a cache key, check the blob fits this machine, download it (resumed,
+verified) into the local cache, import it, and report the pull. DESIGN.md §10.
+
+The agent talks to a `BlobSource`: the farm API's `FarmClient` on an edge, or the farm's own
+database and store for an operator on the farm's network. Edge-safe: no SQLAlchemy, Celery,
+boto3 or FastAPI.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from farm import hashing
+from farm.errors import IntegrityMismatch, NotFound
+from farm.spec import Target, Toolchain
+
+from .cache import BlobCache
+
+DOWNLOAD_ATTEMPTS = 5
+"""Tries of one download; each resumes where the last broke off."""
+RETRY_BACKOFF_SECONDS = 0.5
+"""First pause between tries; doubles after each."""
+DISK_MARGIN_BYTES = 64 * 2**20
+"""Free space kept besides the blob itself: a download that would fill the disk is refused."""
+
+Progress = Callable[[int], None] | None
+
+
+class Incompatible(Exception):
+    """The blob cannot be imported on this machine; nothing was downloaded."""
+
+
+class DiskFull(OSError):
+    """Not enough room in the cache for the blob; nothing was kept."""
+
+
+class BlobSource(Protocol):
+    def resolve(self, cache_key: str) -> dict | None: ...
+
+    def download(self, cache_key: str, dest: Path, progress: Progress = None) -> None: ...
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Fetched:
+    cache_key: str
+    path: Path
+    blob: dict
+    downloaded: bool
+    """False when the blob was already in the local cache."""
+
+
+def default_agent_id() -> str:
+    return socket.gethostname()
+
+
+def incompatibilities(blob: Mapping[str, Any], here: Toolchain) -> list[str]:
+    """Why `blob` cannot be imported by `here` (this machine's toolchain); empty if it can."""
+    toolchain = blob.get("toolchain") or {}
+    problems = []
+    built = toolchain.get("openvino") or blob.get("openvino", "")
+    if built.split("-")[0] != here.openvino:
+        problems.append(f"it was built with OpenVINO {built}; this machine has {here.openvino}")
+    if not Target.parse(blob["target"]).is_npu:
+        wanted = toolchain.get("runtime_requirements")
+        if wanted != here.runtime_requirements:
+            problems.append(
+                f"its CPU runtime requirements are {wanted!r}; this machine's are "
+                f"{here.runtime_requirements!r} (a CPU blob imports only on an exact match)"
+            )
+    return problems
+
+
+def verify_weights(blob: Mapping[str, Any], weights: Path) -> None:
+    """A weightless blob imports with any `.bin` of the right size, silently wrong: check that
+    `weights` is the very file the blob was compiled from."""
+    wanted = (blob.get("model") or {}).get("bin")
+    if wanted is None:
+        raise IntegrityMismatch("the farm records no .bin digest for this weightless blob")
+    actual = hashing.sha256_file(weights)
+    if actual != wanted:
+        raise IntegrityMismatch(
+            f"{weights} is not the weights file this blob was compiled with "
+            f"(sha256 {actual[:16]}…, the blob needs {wanted[:16]}…); refusing to import"
+        )
+
+
+class EdgeAgent:
+    def __init__(
+        self,
+        source: BlobSource,
+        cache: BlobCache,
+        agent_id: str | None = None,
+        toolchain: Callable[[Target], Toolchain] | None = None,
+    ) -> None:
+        from farm.compiler import host_toolchain
+
+        self.source = source
+        self.cache = cache
+        self.agent_id = agent_id or default_agent_id()
+        self.toolchain = toolchain or host_toolchain
+
+    def resolve(self, cache_key: str) -> dict:
+        blob = self.source.resolve(cache_key)
+        if blob is None:
+            raise NotFound(f"the farm has no blob for cache key {cache_key}; submit it first")
+        return blob
+
+    def check(self, blob: Mapping[str, Any]) -> None:
+        problems = incompatibilities(blob, self.toolchain(Target.parse(blob["target"])))
+        if problems:
+            raise Incompatible(
+                f"blob {blob['cache_key']} cannot be imported here: {'; '.join(problems)}; "
+                "nothing was downloaded"
+            )
+
+    def fetch(self, cache_key: str, progress: Progress = None, blob: dict | None = None) -> Fetched:
+        """The verified blob in the local cache: from the cache, or downloaded (resumed after a
+        broken connection, checked against the farm's sha256) after a compatibility check.
+        `blob` is the farm's record of it, when the caller resolved it already."""
+        blob = blob or self.resolve(cache_key)
+        cached = self.cache.get(cache_key)
+        if cached is not None:
+            return Fetched(cache_key, cached, blob, downloaded=False)
+        self.check(blob)
+        partial = self.cache.partial_path(cache_key)
+        self._ensure_room(blob["size_bytes"] - _size(partial))
+        self._download(cache_key, partial, blob["size_bytes"], progress)
+        actual = hashing.sha256_file(partial)
+        if actual != blob["sha256"]:
+            partial.unlink(missing_ok=True)
+            raise IntegrityMismatch(
+                f"downloaded blob {cache_key} has sha256 {actual}, the farm recorded "
+                f"{blob['sha256']}; deleted, not imported"
+            )
+        return Fetched(cache_key, self.cache.put(cache_key, partial), blob, downloaded=True)
+
+    def load(self, cache_key: str, device: str | None = None, weights: Path | None = None):
+        """Fetch, import from a memory map, report the pull: an `ImportedBlob`."""
+        from .importer import import_blob
+
+        fetched = self.fetch(cache_key)
+        blob = fetched.blob
+        device = device or Target.parse(blob["target"]).device
+        try:
+            if blob.get("weightless"):
+                if weights is None:
+                    raise IntegrityMismatch(
+                        "this blob is weightless: give the model's own .bin to import it with"
+                    )
+                verify_weights(blob, weights)
+            lease = self.cache.hold(cache_key)
+            try:
+                imported = import_blob(fetched.path, device, weights, lease)
+            except BaseException:
+                lease.close()
+                raise
+        except Exception as error:
+            self._report(cache_key, ok=False, error=f"{type(error).__name__}: {error}")
+            raise
+        self._report(cache_key, ok=True, import_seconds=imported.import_seconds)
+        return imported
+
+    def report_download(self, cache_key: str) -> None:
+        """A pull without an import (prefetch): recorded with no import time."""
+        self._report(cache_key, ok=True)
+
+    def _report(self, cache_key: str, ok: bool, **details: Any) -> None:
+        self.source.report_pull(cache_key, self.agent_id, ok, **details)
+
+    def _download(self, cache_key: str, partial: Path, size: int, progress: Progress) -> None:
+        from farm.client import ApiError
+
+        if _size(partial) > size:
+            partial.unlink()  # not a prefix of this blob
+        pause = RETRY_BACKOFF_SECONDS
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+            try:
+                self.source.download(cache_key, partial, progress)
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise
+                partial.unlink(missing_ok=True)
+                raise DiskFull(
+                    f"no room to download {cache_key} into {self.cache.root} ({error.strerror}); "
+                    "the partial download was removed"
+                ) from error
+            except ApiError as error:
+                if error.status != 0 or attempt == DOWNLOAD_ATTEMPTS:
+                    raise  # refused by the farm, or the network stays down
+                time.sleep(pause)
+                pause *= 2
+                continue
+            if _size(partial) >= size:
+                return
+        raise IntegrityMismatch(
+            f"download of {cache_key} kept ending early ({_size(partial)} of {size} bytes)"
+        )
+
+    def _ensure_room(self, needed: int) -> None:
+        self.cache.evict()
+        free = shutil.disk_usage(self.cache.root).free
+        if free < needed + DISK_MARGIN_BYTES:
+            raise DiskFull(
+                f"the blob needs {needed} more bytes in {self.cache.root} but only {free} are "
+                "free; free some space or set FARM_CACHE_DIR / FARM_CACHE_MAX_BYTES"
+            )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,94 @@
+"""Fleet sync: pull everything a manifest lists, report what the farm does not have yet.
+
+A manifest is TOML (standard library), one table per model and spec; paths are relative to
+the manifest; the other keys are `CompileSpec.create`'s:
+
+    [[model]]
+    path = "models/unet.xml"
+    device = "4000"
+    tiles = 4
+    shapes = ["sample[1,4,64,64]"]
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from farm.errors import NotFound
+from farm.spec import CompileSpec, SpecError
+
+from .agent import EdgeAgent, Incompatible
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    model: Path
+    spec: CompileSpec
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    model: str
+    spec: str
+    status: str
+    """ready (in the cache), missing (the farm has no blob yet), incompatible, or error."""
+    cache_key: str | None = None
+    detail: str | None = None
+    downloaded: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_manifest(path: Path) -> list[ManifestEntry]:
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise SpecError(f"{path}: not a TOML manifest: {error}") from error
+    tables = document.get("model")
+    if not isinstance(tables, list) or not tables:
+        raise SpecError(f"{path}: list models as [[model]] tables with path and device")
+    entries = []
+    for number, table in enumerate(tables, 1):
+        table = dict(table)
+        where = f"{path}: model #{number}"
+        if "path" not in table or "device" not in table:
+            raise SpecError(f"{where} needs `path` and `device`")
+        model = path.parent / table.pop("path")
+        try:
+            spec = CompileSpec.create(table.pop("device"), **table)
+        except TypeError as error:
+            raise SpecError(f"{where}: {error}") from None
+        except SpecError as error:
+            raise SpecError(f"{where}: {error}") from None
+        entries.append(ManifestEntry(model, spec))
+    return entries
+
+
+def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -> list[SyncResult]:
+    """One pass over the manifest; a failure of one entry never stops the others."""
+    from farm.compiler import host_toolchain
+    from farm.identity import ModelRef, key_for
+
+    results = []
+    for entry in entries:
+        label, summary, key = str(entry.model), entry.spec.summary(), None
+        try:
+            ref = ModelRef.from_path(entry.model)
+            key = key_for(ref.identity, entry.spec, host_toolchain(entry.spec.target))
+            fetched = agent.fetch(key)
+            if do_import:
+                agent.load(key, weights=ref.files.get("bin"))
+            elif fetched.downloaded:
+                agent.report_download(key)
+            results.append(SyncResult(label, summary, "ready", key, downloaded=fetched.downloaded))
+        except NotFound:
+            results.append(SyncResult(label, summary, "missing", key, "the farm has no blob yet"))
+        except Incompatible as error:
+            results.append(SyncResult(label, summary, "incompatible", key, str(error)))
+        except Exception as error:  # one broken entry must not stop the fleet's other models
+            results.append(SyncResult(label, summary, "error", key, f"{error}"))
+    return results
