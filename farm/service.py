@@ -251,7 +251,8 @@ def list_jobs(
     since: datetime | None = None,
     cache_key: str | None = None,
 ) -> list[Job]:
-    """Newest first. `model` is a model digest or a model's file name."""
+    """Newest first. `model` is a model digest or a model's file name; a `since` without a
+    time zone is UTC."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
     if state:
         query = query.where(Job.state == state)
@@ -264,6 +265,8 @@ def list_jobs(
     if submitter:
         query = query.where(Job.submitter == submitter)
     if since:
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)
         query = query.where(Job.created_at >= since)
     if cache_key:
         query = query.where(Job.cache_key == cache_key)

@@ -197,6 +197,9 @@ class Http:
         return self.client.job(job_id)
 
     def jobs(self, **filters: Any) -> list[dict]:
+        since = filters.get("since")
+        if since is not None:
+            filters["since"] = since.isoformat()
         return self.client.jobs(**filters)
 
     def log(self, job_id: int) -> str:

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import itertools
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ def jobs(
         target=target,
         model=model,
         submitter=submitter,
-        since=since.isoformat() if since else None,
+        since=since.replace(tzinfo=UTC) if since else None,
         limit=limit,
     )
 

@@ -169,3 +169,16 @@ def test_run_refuses_a_file_that_is_not_a_blob(farm_home, tmp_path):
     junk.write_bytes(b"\x00" * 64)
     result = farm(farm_home, "run", str(junk), "--device", "CPU", check=False)
     assert result.returncode == 2 and "not an OpenVINO compiled blob" in result.stderr
+
+
+def test_jobs_since_filters_by_creation_time_in_utc(farm_home, conv_xml):
+    from datetime import UTC, datetime, timedelta
+
+    job = farm_json(farm_home, "submit", str(conv_xml), "-d", "CPU")["job"]
+    today = datetime.now(UTC)
+    before = (today - timedelta(days=1)).strftime("%Y-%m-%d")
+    after = (today + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    assert [j["id"] for j in farm_json(farm_home, "jobs", "--since", before)] == [job["id"]]
+    assert farm_json(farm_home, "jobs", "--since", after) == []
+    human = farm(farm_home, "jobs", "--since", before, "--state", "succeeded").stdout
+    assert "succeeded" in human
