@@ -340,6 +340,9 @@ class BlobDeletion(Base):
     pulls: Mapped[int] = mapped_column(
         Integer, comment="Pull reports deleted with it (keeps pull counts monotonic)."
     )
+    failed_pulls: Mapped[int] = mapped_column(
+        Integer, comment="Of those, reports of a failed import."
+    )
     last_pulled_at: Mapped[datetime | None] = mapped_column(
         comment="Its last pull report, UTC; null if never pulled."
     )

@@ -12,7 +12,7 @@ from farm.db.session import (
     upgrade_database,
 )
 
-TABLES = {"models", "jobs", "blobs", "pulls", "workers", "api_tokens"}
+TABLES = {"models", "jobs", "blobs", "pulls", "workers", "api_tokens", "blob_deletions"}
 
 
 def tables(url: str) -> set[str]:
