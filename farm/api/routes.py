@@ -32,7 +32,34 @@ from farm.spec import CompileSpec, Toolchain
 from farm.tokens import Caller
 from farm.views import blob_dict, job_dict, worker_dict
 
-router = APIRouter()
+
+def known_query_only(request: Request) -> None:
+    """Refuse query parameters the endpoint does not declare. FastAPI ignores them, so a typo
+    (`?stat=failed`) or a filter this server lacks would silently answer as if unfiltered."""
+    route = request.scope.get("route")
+    if route is None:
+        return
+    allowed = _query_names(route)
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(allowed)) or "no query parameters"
+        raise ApiError(
+            400,
+            "unknown_parameter",
+            f"unknown query parameter {', '.join(unknown)}; {request.url.path} takes {takes}",
+        )
+
+
+def _query_names(route) -> set[str]:
+    names, pending = set(), [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        names.update(field.alias for field in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return names
+
+
+router = APIRouter(dependencies=[Depends(known_query_only)])
 pull_role = Depends(caller_with("pull"))
 submit_role = Depends(caller_with("submit"))
 
@@ -203,14 +230,23 @@ def list_jobs(
     target: Text | None = Query(None, max_length=32),
     model: Text | None = Query(None, max_length=256, description="Model digest or name."),
     submitter: Text | None = Query(None, max_length=128),
-    since: datetime | None = None,
+    since: datetime | None = Query(None, description="Created at or after; UTC if no zone."),
+    cache_key: str | None = Query(None, pattern="^[0-9a-f]{64}$"),
     limit: int = Query(50, ge=1, le=1000),
     _: Caller = submit_role,
 ) -> list[JobOut]:
+    """Jobs, newest first, filtered by any of the parameters."""
     farm = farm_of(request)
     with farm.session() as session:
         jobs = service.list_jobs(
-            session, state, target, limit, model=model, submitter=submitter, since=since
+            session,
+            state,
+            target,
+            limit,
+            model=model,
+            submitter=submitter,
+            since=since,
+            cache_key=cache_key,
         )
         return [_job_out(farm, session, job) for job in jobs]
 

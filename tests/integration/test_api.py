@@ -70,6 +70,84 @@ def test_cli_over_http_submit_wait_status_logs_pull_and_a_hit_uploads_nothing(
     assert by_model.read_bytes() == out.read_bytes()
 
 
+def _queue_job(served, xml, device: str, submitter: str, **spec):
+    """A queued job made through the service layer, as the API makes it (never sent)."""
+    from farm import service
+    from farm.compiler import host_toolchain
+    from farm.spec import CompileSpec
+
+    spec = CompileSpec.create(device, **spec)
+    ref = service.ModelRef.from_path(xml)
+    with served.sessions() as session:
+        return service.submit_from_disk(
+            session, served.store, ref, spec, host_toolchain(spec.target), submitter=submitter
+        )
+
+
+def test_job_list_filters_over_http_and_status_by_cache_key(served, api, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import update
+
+    from farm import hashing
+
+    one = models.save_ir(models.conv_net(seed=1), tmp_path / "one" / "one.xml")
+    two = models.save_ir(models.conv_net(seed=2), tmp_path / "two" / "two.xml")
+    a = _queue_job(served, one, "CPU", "alice")
+    b = _queue_job(served, two, "CPU", "bob")
+    c = _queue_job(served, one, "4000", "bob", tiles=2)
+    old = datetime.now(UTC) - timedelta(days=2)
+    with served.sessions() as session:
+        session.execute(update(Job).where(Job.id == c.job_id).values(created_at=old))
+        session.commit()
+    yesterday = datetime.now(UTC) - timedelta(days=1)
+    one_digest = hashing.model_digest(service_identity(one))
+
+    def listed(**params) -> list[int]:
+        with http(api, "submit") as client:
+            response = client.get("/v1/jobs", params=params)
+        assert response.status_code == 200, response.text
+        return [job["id"] for job in response.json()]
+
+    with http(api, "submit") as client:
+        client.post(f"/v1/jobs/{b.job_id}/cancel").raise_for_status()
+    assert listed() == [c.job_id, b.job_id, a.job_id]
+    assert listed(state="cancelled") == [b.job_id]
+    assert listed(state="queued") == [c.job_id, a.job_id]
+    assert listed(target="4000") == listed(target="NPU.4000") == [c.job_id]
+    assert listed(target="CPU") == [b.job_id, a.job_id]
+    assert listed(model=one_digest) == listed(model="one.xml") == [c.job_id, a.job_id]
+    assert listed(submitter="bob") == [c.job_id, b.job_id]
+    assert listed(since=yesterday.isoformat()) == [b.job_id, a.job_id]
+    naive = yesterday.replace(tzinfo=None).isoformat()  # no zone: UTC
+    assert listed(since=naive) == [b.job_id, a.job_id]
+    assert listed(cache_key=a.cache_key) == [a.job_id]
+    assert listed(cache_key=b.cache_key, state="queued") == []
+    assert listed(submitter="bob", target="CPU", limit=1) == [b.job_id]
+
+    with http(api, "submit") as client:
+        typo = client.get("/v1/jobs", params={"stat": "failed"})
+        assert typo.status_code == 400, typo.text
+        assert typo.json()["code"] == "unknown_parameter" and "stat" in typo.json()["message"]
+        assert client.get("/v1/blobs", params={"colour": "red"}).status_code == 400
+        bad_key = client.get("/v1/jobs", params={"cache_key": "xyz"})
+        assert bad_key.status_code == 422 and bad_key.json()["code"] == "invalid_request"
+
+    # `farm status KEY` over HTTP shows that key's job, not the newest job of the farm.
+    env = cli_env(api)
+    assert served.farm_json("status", a.cache_key, env=env)["job"]["id"] == a.job_id
+    assert served.farm_json("status", b.cache_key, env=env)["job"]["state"] == "cancelled"
+    since = yesterday.strftime("%Y-%m-%dT%H:%M:%S")
+    cli = served.farm_json("jobs", "--since", since, "--submitter", "bob", env=env)
+    assert [job["id"] for job in cli] == [b.job_id]
+
+
+def service_identity(xml) -> dict[str, str]:
+    from farm import service
+
+    return service.ModelRef.from_path(xml).identity
+
+
 def test_matrix_submit_makes_one_job_per_combination(served, api, tmp_path):
     xml = models.save_ir(models.dynamic_net(), tmp_path / "dyn" / "dyn.xml")
     result = served.farm(
