@@ -278,8 +278,10 @@ def cancel_job(job_id: int, request: Request, _: Caller = submit_role) -> JobOut
 
 @router.get("/v1/blobs", tags=["blobs"])
 def list_blobs(
-    request: Request, target: Text | None = Query(None, max_length=32), _: Caller = pull_role
+    request: Request, target: Text | None = Query(None, max_length=32), _: Caller = submit_role
 ) -> list[BlobOut]:
+    """Every stored blob, newest first. An edge's pull token cannot list: it resolves the keys
+    it computes itself."""
     with farm_of(request).session() as session:
         return [_blob_out(b) for b in service.list_blobs(session, target)]
 

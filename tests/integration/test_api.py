@@ -59,6 +59,8 @@ def test_cli_over_http_submit_wait_status_logs_pull_and_a_hit_uploads_nothing(
     ]
     assert [w["name"] for w in served.farm_json("workers", env=env)] == ["w1"]
     assert len(served.farm_json("blobs", env=env)) == 1
+    refused = served.farm("blobs", env=cli_env(api, "pull"), check=False)
+    assert refused.returncode == 6 and "needs the 'submit' role" in refused.stderr
 
     out = tmp_path / "pulled.blob"
     pull_env = cli_env(api, "pull")
@@ -189,12 +191,15 @@ def test_roles_and_tokens(served, api):
     for role, expected in (("pull", 403), ("submit", 200), ("admin", 200)):
         with http(api, role) as client:
             assert client.get("/v1/jobs").status_code == expected, role
+            assert client.get("/v1/blobs").status_code == expected, role  # listing: submit
+            assert client.get("/v1/workers").status_code == expected, role
             assert client.get(f"/v1/blobs/{ZERO_KEY}").status_code == 404, role
-            assert client.get("/v1/blobs").status_code == 200, role
     with http(api, None) as client:
-        response = client.get("/v1/blobs")
+        response = client.get(f"/v1/blobs/{ZERO_KEY}")
         assert response.status_code == 401 and response.json()["code"] == "unauthorized"
-    forged = httpx.get(f"{api.url}/v1/blobs", headers={"Authorization": "Bearer farm_forged"})
+    forged = httpx.get(
+        f"{api.url}/v1/blobs/{ZERO_KEY}", headers={"Authorization": "Bearer farm_forged"}
+    )
     assert forged.status_code == 401
     with served.sessions() as session:
         revoke_token(session, "test-submit")
