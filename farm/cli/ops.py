@@ -1,4 +1,4 @@
-"""Commands for operators: worker, workers, doctor, reconcile, db upgrade."""
+"""Commands for operators: worker, doctor, reconcile, gc, db upgrade, api, token."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from farm.cli import main
 from farm.cli.common import (
     EXIT_INFRASTRUCTURE,
     emit,
+    err,
     handle_errors,
     hide_password,
     json_option,
@@ -89,6 +90,45 @@ def reconcile(as_json: bool) -> None:
             f"aborted uploads {len(report.aborted_uploads)}"
         ),
     )
+
+
+@main.command()
+@click.option(
+    "--unpulled-days",
+    type=click.IntRange(0),
+    required=True,
+    help="Delete blobs whose last pull (or creation, if never pulled) is this many days ago.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; change nothing.")
+@json_option
+@handle_errors
+def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
+    """Delete blobs no edge has pulled for N days, from the database and from storage."""
+    from farm.cli.common import size_text
+    from farm.gc import collect
+
+    farm = local_farm()
+    with farm.session() as session:
+        report = collect(session, farm.store, unpulled_days, dry_run)
+
+    def human() -> None:
+        verb = "would delete" if dry_run else "deleted"
+        for blob in report.blobs:
+            last = str(blob.last_pulled_at or "never")[:19]
+            out.print(
+                f"{verb} {blob.cache_key} {blob.target:9} {size_text(blob.size_bytes):>10} "
+                f"pulls {blob.pulls}, last pulled {last}"
+            )
+        out.print(f"{verb} {len(report.blobs)} blobs, {size_text(report.bytes)}")
+        if report.pending:
+            state = "waiting for deletion" if dry_run else "still in storage (gc retries them)"
+            out.print(f"{len(report.pending)} objects {state}")
+        for error in report.errors:
+            err.print(f"farm: error: {error}", markup=False)
+
+    emit(report.as_dict(), as_json, human)
+    if report.errors:
+        raise SystemExit(EXIT_INFRASTRUCTURE)
 
 
 @main.group()

@@ -75,7 +75,10 @@ class LocalStore(BlobStore):
         return self._path(key).is_file()
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as error:
+            raise StorageError(f"cannot delete {key} from {self.root}: {error}") from error
 
     def local_path(self, key: str) -> Path | None:
         return self._path(key)

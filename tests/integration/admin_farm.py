@@ -1,0 +1,135 @@
+"""A farm with a history, for the admin tests: real compiles through `farm submit` over the API,
+real imports reported as pulls, and workers registered the way `farm worker` registers them.
+
+The API runs without a broker, so it compiles each job in its own process (the embedded API),
+on whichever database and store the test gives it. Ageing rows (`age`) is the one shortcut:
+a test cannot wait 30 days for a blob to go unpulled.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from click.testing import CliRunner
+from sqlalchemy import select
+
+from farm.client import FarmClient
+from farm.config import Settings
+from farm.db.session import make_engine, make_session_factory, upgrade_database
+from farm.tokens import create_token
+from tests import models
+from tests.integration.served import ApiServer
+
+
+def farm_cli(env: dict[str, str], *args: str, expect: int = 0) -> dict:
+    """Run `farm ARGS --json` in this process (the real command, without a new interpreter)."""
+    from farm.cli import main
+
+    with warnings.catch_warnings():
+        # A `farm` process leaves its HTTP client's socket to process exit; in this process
+        # that would be a ResourceWarning when the command returns.
+        warnings.simplefilter("ignore", ResourceWarning)
+        result = CliRunner().invoke(main, [*args, "--json"], env=env, catch_exceptions=False)
+        gc.collect()
+    assert result.exit_code == expect, (
+        f"farm {' '.join(args)} → {result.exit_code}\n{result.output}"
+    )
+    return json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+@dataclass
+class AdminFarm:
+    env: dict[str, str]
+    """Where the farm's data lives: FARM_DATABASE_URL, FARM_STORAGE_URL (+ S3 settings)."""
+    api: ApiServer
+    tokens: dict[str, str]
+    workdir: Path
+    engine: object = None
+    keys: dict[str, str] = field(default_factory=dict)
+    """Cache keys by the names the tests give them."""
+
+    def __post_init__(self) -> None:
+        self.engine = make_engine(self.env["FARM_DATABASE_URL"])
+        self.sessions = make_session_factory(self.engine)
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(
+            **{
+                k.removeprefix("FARM_").lower(): v
+                for k, v in self.env.items()
+                if k.startswith("FARM_")
+            }
+        )
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        return {
+            "FARM_API_URL": self.api.url,
+            "FARM_TOKEN": self.tokens["submit"],
+            "FARM_CACHE_DIR": str(self.workdir / "cache"),
+            "FARM_HOME": str(self.workdir / "client-home"),
+        }
+
+    def submit(self, model, name: str, *spec: str, expect: int = 0) -> list[dict]:
+        """Compile `model` through `farm submit --wait` over the API; one result per spec."""
+        xml = models.save_ir(model, self.workdir / name / f"{name}.xml")
+        answer = farm_cli(self.client_env, "submit", str(xml), *spec, "--wait", expect=expect)
+        return answer.get("results", [answer])
+
+    def pull(self, cache_key: str, agent: str, device: str = "CPU") -> dict:
+        """Download a blob, import it with OpenVINO on `device`, and report the pull."""
+        from farm.edge import import_blob
+
+        path = self.workdir / "edge" / agent / f"{cache_key}.blob"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FarmClient(self.api.url, self.tokens["pull"]) as client:
+            client.download(cache_key, path)
+            try:
+                imported = import_blob(path, device)
+            except RuntimeError as error:
+                report = {"ok": False, "error": str(error).splitlines()[0][:300]}
+            else:
+                report = {"ok": True, "import_seconds": imported.import_seconds}
+                del imported
+            client.report_pull(cache_key, agent, **report)
+        return report
+
+    def age(self, model, where, days: float) -> None:
+        """Move the `created_at` of `model` rows matching `where` `days` into the past (a test
+        cannot wait 30 days for a blob to go unpulled)."""
+        with self.sessions() as session:
+            for row in session.scalars(select(model).where(where)):
+                row.created_at -= timedelta(days=days)
+            session.commit()
+
+    def gc(self, *args: str, expect: int = 0) -> dict:
+        return farm_cli(self.env, "gc", *args, expect=expect)
+
+    def close(self) -> None:
+        self.api.stop()
+        self.engine.dispose()
+
+
+@contextmanager
+def admin_farm(env: dict[str, str], workdir: Path) -> Iterator[AdminFarm]:
+    """The embedded API on `env`'s database and store, with a token per role."""
+    env = {"FARM_HOME": str(workdir / "farm-home"), **env}
+    upgrade_database(env["FARM_DATABASE_URL"])
+    engine = make_engine(env["FARM_DATABASE_URL"])
+    with make_session_factory(engine)() as session:
+        tokens = {role: create_token(session, f"test-{role}", role) for role in ("pull", "submit")}
+    engine.dispose()
+    api = ApiServer(env, workdir / "api.log").start()
+    farm = AdminFarm(env, api, tokens, workdir)
+    try:
+        yield farm
+    finally:
+        farm.close()
