@@ -107,9 +107,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.limiter = RateLimiter(settings.api_requests_per_minute)
     _install_error_handlers(app)
+    from farm.api import metrics
     from farm.api.routes import router
 
     app.include_router(router)
+    app.include_router(metrics.router)
     return app
 
 

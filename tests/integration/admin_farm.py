@@ -85,22 +85,9 @@ class AdminFarm:
         return answer.get("results", [answer])
 
     def pull(self, cache_key: str, agent: str, device: str = "CPU") -> dict:
-        """Download a blob, import it with OpenVINO on `device`, and report the pull."""
-        from farm.edge import import_blob
-
-        path = self.workdir / "edge" / agent / f"{cache_key}.blob"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FarmClient(self.api.url, self.tokens["pull"]) as client:
-            client.download(cache_key, path)
-            try:
-                imported = import_blob(path, device)
-            except RuntimeError as error:
-                report = {"ok": False, "error": str(error).splitlines()[0][:300]}
-            else:
-                report = {"ok": True, "import_seconds": imported.import_seconds}
-                del imported
-            client.report_pull(cache_key, agent, **report)
-        return report
+        return pull_and_report(
+            self.api.url, self.tokens["pull"], cache_key, agent, self.workdir / "edge", device
+        )
 
     def age(self, model, where, days: float) -> None:
         """Move the `created_at` of `model` rows matching `where` `days` into the past (a test
@@ -116,6 +103,27 @@ class AdminFarm:
     def close(self) -> None:
         self.api.stop()
         self.engine.dispose()
+
+
+def pull_and_report(
+    api_url: str, token: str, cache_key: str, agent: str, workdir: Path, device: str = "CPU"
+) -> dict:
+    """What an edge does: download a blob, import it with OpenVINO on `device`, report it."""
+    from farm.edge import import_blob
+
+    path = workdir / agent / f"{cache_key}.blob"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FarmClient(api_url, token) as client:
+        client.download(cache_key, path)
+        try:
+            imported = import_blob(path, device)
+        except RuntimeError as error:
+            report = {"ok": False, "error": " ".join(str(error).split())[:300]}
+        else:
+            report = {"ok": True, "import_seconds": imported.import_seconds}
+            del imported
+        client.report_pull(cache_key, agent, **report)
+    return report
 
 
 @contextmanager
