@@ -30,6 +30,9 @@ NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
 class CompileError(Exception):
     """The model or spec cannot be compiled: the job fails with this message, no retry."""
 
+    output: str = ""
+    """What the compiler printed before it failed, when it ran in a child (`farm.sandbox`)."""
+
 
 class ModelError(CompileError):
     """The model files cannot be read, or the spec does not fit the model."""
@@ -40,6 +43,9 @@ class CompilerUnavailable(RuntimeError):
 
     Not the model's fault: the job belongs on a host that can compile for the target.
     """
+
+    output: str = ""
+    """What the compiler printed before it gave up, when it ran in a child (`farm.sandbox`)."""
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits):
         return lambda session: _finish(session, job, "cancelled", error="cancelled while running")
     except (CompileTimeout, compiler.CompileError, compiler.CompilerUnavailable) as error:
         message = str(error)  # `error` itself is unbound when the except block ends
-        return lambda session: _finish(session, job, "failed", error=message)
+        log_text = _failure_log(spec, message, error.output)
+        return lambda session: _finish(session, job, "failed", error=message, log_text=log_text)
     stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
     return lambda session: _record_blob(session, job, model_row, result, stored, output)
 
@@ -220,6 +221,17 @@ def _release(sessions: sessionmaker[Session], job_id: int, worker: str) -> None:
             session.commit()
     except Exception:
         log.warning("could not release job %s; its lease will expire", job_id, exc_info=True)
+
+
+def _failure_log(spec: CompileSpec, message: str, output: str) -> str:
+    """A failed job's log: what was asked, why it failed, and what the compiler printed."""
+    from farm.compiler import compile_properties
+
+    lines = [f"{key}={value}" for key, value in sorted(compile_properties(spec).items())]
+    lines.append(f"failed: {message}")
+    if output.strip():
+        lines += ["--- compiler output ---", output.rstrip()]
+    return "\n".join(lines)
 
 
 def _job_log(result, output: str) -> str:

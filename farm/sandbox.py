@@ -36,6 +36,9 @@ class CompileCancelled(Exception):
 class CompileTimeout(Exception):
     """The compile ran past its time limit; the child was killed."""
 
+    output: str = ""
+    """What the compiler printed before it was killed."""
+
 
 def compile_in_child(
     files: Mapping[str, Path],
@@ -49,7 +52,8 @@ def compile_in_child(
     """Compile in a child process; returns (`CompileResult`, compiler output).
 
     `should_stop` is called every POLL_SECONDS; True kills the child (CompileCancelled).
-    Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes.
+    Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes;
+    those and CompileTimeout carry the compiler's output in `.output`, for the job log.
     """
     from farm import compiler
 
@@ -69,6 +73,7 @@ def compile_in_child(
         )
     )
     started = time.monotonic()
+    timed_out = False
     with open(log_path, "wb") as log:
         child = subprocess.Popen(
             [sys.executable, "-m", "farm.sandbox", str(request), str(result_path)],
@@ -81,13 +86,18 @@ def compile_in_child(
                 if should_stop():
                     raise CompileCancelled("compile cancelled")
                 if time.monotonic() - started > timeout_seconds:
-                    raise CompileTimeout(f"compile ran longer than {timeout_seconds:.0f} s")
+                    timed_out = True
+                    break
                 time.sleep(POLL_SECONDS)
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
     output = _tail(log_path)
+    if timed_out:
+        raise _with_output(
+            CompileTimeout(f"compile ran longer than {timeout_seconds:.0f} s"), output
+        )
     if child.returncode != 0 and not result_path.exists():
         how = (
             f"killed by signal {-child.returncode}"
@@ -95,17 +105,23 @@ def compile_in_child(
             else f"exit code {child.returncode}"
         )
         hint = " (out of memory?)" if child.returncode == -signal.SIGKILL else ""
-        raise compiler.CompileError(f"the compiler process died: {how}{hint}")
+        raise _with_output(compiler.CompileError(f"the compiler process died: {how}{hint}"), output)
     result = json.loads(result_path.read_text())
     if "error" in result:
         kinds = {
             "CompilerUnavailable": compiler.CompilerUnavailable,
             "ModelError": compiler.ModelError,
         }
-        raise kinds.get(result["error"], compiler.CompileError)(result["message"])
+        error = kinds.get(result["error"], compiler.CompileError)(result["message"])
+        raise _with_output(error, output)
     result["blob_path"] = Path(result["blob_path"])
     result["toolchain"] = Toolchain(**result["toolchain"])
     return compiler.CompileResult(**result), output
+
+
+def _with_output(error: Exception, output: str) -> Exception:
+    error.output = output
+    return error
 
 
 def _die_with_parent() -> None:
@@ -136,6 +152,11 @@ def _child_main(request_path: str, result_path: str) -> int:
         payload["blob_path"] = str(result.blob_path)
     except (compiler.CompileError, compiler.CompilerUnavailable) as error:
         payload = {"error": type(error).__name__, "message": str(error)}
+        # The message is one line; OpenVINO's full text (which source file refused what)
+        # goes to the captured output, and so into the job log.
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        if error.__cause__ is not None:
+            print(f"OpenVINO: {error.__cause__}", file=sys.stderr)
     partial = Path(result_path + ".partial")
     partial.write_text(json.dumps(payload))
     partial.replace(result_path)

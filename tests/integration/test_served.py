@@ -158,6 +158,12 @@ def test_a_model_that_cannot_compile_fails_its_job_and_the_worker_carries_on(
     assert failed.state == "failed" and "cannot read model" in failed.error
     assert failed.attempts == 1
     assert served.wait_job(good.job_id).state == "succeeded"
+    # The log keeps what the compiler said, beyond the one-line error: OpenVINO's full text.
+    log = served.farm_json("logs", str(bad.job_id))
+    assert log["state"] == "failed"
+    assert f"failed: {failed.error}" in log["log"]
+    assert "--- compiler output ---" in log["log"]
+    assert "OpenVINO: Exception from src/" in log["log"]
 
 
 def test_big_models_go_to_the_large_queue(served, conv_xml):
