@@ -94,7 +94,11 @@ class FarmClient:
         return self._call("GET", "/v1/jobs", params=params)
 
     def log(self, job_id: int) -> str:
-        return self._call("GET", f"/v1/jobs/{job_id}/log")["log"]
+        return self.job_log(job_id)["log"]
+
+    def job_log(self, job_id: int) -> dict:
+        """`{"id", "state", "log"}` of a job."""
+        return self._call("GET", f"/v1/jobs/{job_id}/log")
 
     def cancel(self, job_id: int) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -55,12 +55,14 @@ def create_token(session: Session, name: str, role: str) -> str:
     return token
 
 
-def revoke_token(session: Session, name: str) -> None:
+def revoke_token(session: Session, name: str) -> datetime:
+    """Revoke the token `name` (again: no change); returns when it was revoked."""
     row = session.scalar(select(ApiToken).where(ApiToken.name == name))
     if row is None:
         raise NotFound(f"no token named {name!r}")
     row.revoked_at = row.revoked_at or now()
     session.commit()
+    return row.revoked_at
 
 
 def authenticate(session: Session, token: str) -> Caller | None:

@@ -89,12 +89,13 @@ class Direct:
         with self.farm.session() as session:
             return [job_dict(job) for job in service.list_jobs(session, **filters)]
 
-    def log(self, job_id: int) -> str:
+    def log(self, job_id: int) -> dict:
+        """`{"id", "state", "log"}`, as `GET /v1/jobs/{id}/log` answers."""
         from farm import service
 
         with self.farm.session() as session:
             job = service.get_job(session, job_id)
-            return job.log or job.error or ""
+            return {"id": job.id, "state": job.state, "log": job.log or job.error or ""}
 
     def cancel(self, job_id: int) -> dict:
         from farm import service
@@ -202,8 +203,8 @@ class Http:
             filters["since"] = since.isoformat()
         return self.client.jobs(**filters)
 
-    def log(self, job_id: int) -> str:
-        return self.client.log(job_id)
+    def log(self, job_id: int) -> dict:
+        return self.client.job_log(job_id)
 
     def cancel(self, job_id: int) -> dict:
         return self.client.cancel(job_id)

@@ -108,7 +108,7 @@ def submit(model: Path, wait: bool, quiet: bool, as_json: bool, **options: Any) 
         def compiling(spec):
             return (
                 contextlib.nullcontext()
-                if as_json
+                if quiet or as_json
                 else err.status(f"compiling {ref.name} for {spec.summary()}")
             )
 
@@ -235,10 +235,12 @@ def jobs(
 
 @main.command()
 @click.argument("job_id", type=int)
+@json_option
 @handle_errors
-def logs(job_id: int) -> None:
+def logs(job_id: int, as_json: bool) -> None:
     """Print a job's log: the properties used, timings, and the compiler's output."""
-    click.echo(backend().log(job_id) or f"job {job_id} has no log yet")
+    entry = backend().log(job_id)
+    emit(entry, as_json, lambda: click.echo(entry["log"] or f"job {job_id} has no log yet"))
 
 
 @main.command()

@@ -137,14 +137,20 @@ def db() -> None:
 
 
 @db.command("upgrade")
+@json_option
 @handle_errors
-def db_upgrade() -> None:
+def db_upgrade(as_json: bool) -> None:
     """Bring the database schema to the latest migration."""
     from farm.db.session import upgrade_database
 
     url = get_settings().resolved_database_url
-    upgrade_database(url)
-    out.print(f"database at head: {hide_password(url)}")
+    revision = upgrade_database(url)
+    shown = hide_password(url)
+    emit(
+        {"database": shown, "revision": revision},
+        as_json,
+        lambda: out.print(f"database at head ({revision}): {shown}"),
+    )
 
 
 @main.command()
@@ -187,14 +193,15 @@ def token_create(name: str, role: str, as_json: bool) -> None:
 
 @token.command("revoke")
 @click.argument("name")
+@json_option
 @handle_errors
-def token_revoke(name: str) -> None:
+def token_revoke(name: str, as_json: bool) -> None:
     """Revoke the token called NAME; requests with it get 401 from now on."""
     from farm.tokens import revoke_token
 
     with local_farm().session() as session:
-        revoke_token(session, name)
-    out.print(f"revoked {name}")
+        revoked_at = revoke_token(session, name)
+    emit({"name": name, "revoked_at": revoked_at}, as_json, lambda: out.print(f"revoked {name}"))
 
 
 @token.command("list")

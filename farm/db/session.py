@@ -46,8 +46,10 @@ def alembic_config(url: str):
     return config
 
 
-def upgrade_database(url: str, revision: str = "head") -> None:
+def upgrade_database(url: str, revision: str = "head") -> str | None:
+    """Upgrade the schema to `revision`; returns the revision the database is at after."""
     from alembic import command
+    from alembic.runtime.migration import MigrationContext
 
     engine = make_engine(url)
     try:
@@ -55,6 +57,7 @@ def upgrade_database(url: str, revision: str = "head") -> None:
             config = alembic_config(url)
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
+            return MigrationContext.configure(connection).get_current_revision()
     finally:
         engine.dispose()
 

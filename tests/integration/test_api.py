@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from farm.db.models import Blob, Job, Pull
-from farm.tokens import revoke_token
 from tests import models
 
 ZERO_KEY = "0" * 64
@@ -50,12 +49,35 @@ def test_cli_over_http_submit_wait_status_logs_pull_and_a_hit_uploads_nothing(
     assert again["outcome"] == "hit"
     assert api.requests_logged("PUT /v1/models/") == 2  # a hit uploads nothing
 
+    # A compile the compiler refuses: --wait follows it to `failed` and exits 1.
+    refused = served.farm(
+        "submit",
+        str(conv_xml),
+        "-d",
+        "CPU",
+        "--config",
+        "PERFORMANCE_HINT_NUM_REQUESTS=999999999999",
+        "--wait",
+        "--json",
+        env=env,
+        check=False,
+    )
+    assert refused.returncode == 1, refused.stderr
+    failed = json.loads(refused.stdout)["job"]
+    assert failed["state"] == "failed" and "Wrong value" in failed["error"]
+    log = served.farm_json("logs", str(failed["id"]), env=env)
+    assert log["state"] == "failed" and "--- compiler output ---" in log["log"]
+    assert "OpenVINO: Exception from src/" in log["log"]
+
     job_id = str(first["job"]["id"])
     assert served.farm_json("status", job_id, env=env)["state"] == "succeeded"
     assert served.farm_json("status", first["cache_key"], env=env)["blob"]["target"] == "CPU"
     assert "toolchain=" in served.farm("logs", job_id, env=env).stdout
     assert [j["id"] for j in served.farm_json("jobs", "--state", "succeeded", env=env)] == [
         int(job_id)
+    ]
+    assert [j["id"] for j in served.farm_json("jobs", "--state", "failed", env=env)] == [
+        failed["id"]
     ]
     assert [w["name"] for w in served.farm_json("workers", env=env)] == ["w1"]
     assert len(served.farm_json("blobs", env=env)) == 1
@@ -201,10 +223,14 @@ def test_roles_and_tokens(served, api):
         f"{api.url}/v1/blobs/{ZERO_KEY}", headers={"Authorization": "Bearer farm_forged"}
     )
     assert forged.status_code == 401
-    with served.sessions() as session:
-        revoke_token(session, "test-submit")
+    revoked = served.farm_json("token", "revoke", "test-submit")
+    assert revoked["name"] == "test-submit" and revoked["revoked_at"]
+    assert "revoked test-submit" in served.farm("token", "revoke", "test-submit").stdout
+    unknown = served.farm("token", "revoke", "nobody", check=False)
+    assert unknown.returncode == 3 and "no token named 'nobody'" in unknown.stderr
     with http(api, "submit") as client:
-        assert client.get("/v1/jobs").status_code == 401
+        response = client.get("/v1/jobs")
+        assert response.status_code == 401 and response.json()["code"] == "unauthorized"
     with http(api, "pull") as client:
         body = {
             "model": {"onnx": ZERO_KEY},

@@ -182,3 +182,21 @@ def test_jobs_since_filters_by_creation_time_in_utc(farm_home, conv_xml):
     assert farm_json(farm_home, "jobs", "--since", after) == []
     human = farm(farm_home, "jobs", "--since", before, "--state", "succeeded").stdout
     assert "succeeded" in human
+
+
+def test_db_upgrade_and_logs_answer_in_json(farm_home, conv_xml):
+    from alembic.script import ScriptDirectory
+
+    from farm.db.session import alembic_config
+
+    url = f"sqlite:///{farm_home / 'farm.db'}"
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    upgraded = farm_json(farm_home, "db", "upgrade")
+    assert upgraded == {"database": url, "revision": head}
+    assert f"database at head ({head})" in farm(farm_home, "db", "upgrade").stdout
+
+    job = farm_json(farm_home, "submit", str(conv_xml), "-d", "CPU", "--quiet")["job"]
+    log = farm_json(farm_home, "logs", str(job["id"]))
+    assert log["id"] == job["id"] and log["state"] == "succeeded"
+    assert "toolchain=" in log["log"]
+    assert farm(farm_home, "logs", str(job["id"])).stdout.strip() == log["log"].strip()
