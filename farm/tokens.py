@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -21,7 +21,11 @@ LAST_USED_EVERY = timedelta(minutes=1)
 
 
 class TokenError(ValueError):
-    """A token that cannot be created as asked (duplicate name, unknown role)."""
+    """A token that cannot be created as asked (duplicate name, unknown role, past expiry)."""
+
+
+class TokenExpired(Exception):
+    """A known token past its `expires_at`: the API answers 401 `token_expired`."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,32 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", errors="surrogateescape")).hexdigest()
 
 
-def create_token(session: Session, name: str, role: str) -> str:
-    """Create a token and return it: the only time it is ever visible."""
+def create_token(session: Session, name: str, role: str, expires_at: datetime | None = None) -> str:
+    """Create a token and return it: the only time it is ever visible.
+
+    `expires_at` (UTC if it has no time zone): from then on the API refuses the token;
+    None: valid until revoked.
+    """
     if role not in ROLES:
         raise TokenError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
     if not name or len(name) > 128:
         raise TokenError("a token needs a name of 1 to 128 characters")
+    created_at = now()
+    if expires_at is not None:
+        if expires_at.tzinfo is None:
+            expires_at = expires_at.replace(tzinfo=UTC)
+        if expires_at <= created_at:
+            raise TokenError(f"the expiry {expires_at:%Y-%m-%d %H:%M:%S} UTC is in the past")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(name=name, role=role, token_sha256=token_digest(token), created_at=now()))
+    session.add(
+        ApiToken(
+            name=name,
+            role=role,
+            token_sha256=token_digest(token),
+            created_at=created_at,
+            expires_at=expires_at,
+        )
+    )
     try:
         session.commit()
     except IntegrityError:
@@ -66,7 +88,10 @@ def revoke_token(session: Session, name: str) -> datetime:
 
 
 def authenticate(session: Session, token: str) -> Caller | None:
-    """The caller a token belongs to, or None for an unknown or revoked token."""
+    """The caller a token belongs to, or None for an unknown or revoked token.
+
+    Raises TokenExpired for a token past its expiry (revoked first: a revoked token is None).
+    """
     if not token.startswith(TOKEN_PREFIX) or len(token) > 200:
         return None
     row = session.scalar(
@@ -77,6 +102,11 @@ def authenticate(session: Session, token: str) -> Caller | None:
     if row is None:
         return None
     at = now()
+    if row.expires_at is not None and row.expires_at <= at:
+        raise TokenExpired(
+            f"token {row.name!r} expired at {row.expires_at:%Y-%m-%d %H:%M:%S} UTC; "
+            "ask an admin for a new one (farm token create)"
+        )
     # At most one write per token per minute, not one per request.
     session.execute(
         update(ApiToken)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import click
 
 from farm.cli import main
@@ -180,15 +182,34 @@ def token() -> None:
 @token.command("create")
 @click.option("--name", required=True, help="Who holds it: 'edge-042', 'ci'.")
 @click.option("--role", type=click.Choice(["pull", "submit", "admin"]), required=True)
+@click.option(
+    "--expires-in",
+    "expires_in",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="DAYS",
+    help="Expire after DAYS (fractions allowed: 0.5 is 12 hours). Default: never.",
+)
+@click.option("--expires", type=click.DateTime(), metavar="DATE", help="Expire at DATE (UTC).")
 @json_option
 @handle_errors
-def token_create(name: str, role: str, as_json: bool) -> None:
+def token_create(
+    name: str, role: str, expires_in: float | None, expires: datetime | None, as_json: bool
+) -> None:
     """Create a token; it is printed once and never stored."""
     from farm.tokens import create_token
 
+    if expires_in is not None and expires is not None:
+        raise click.UsageError("give --expires-in or --expires, not both")
+    expires_at = expires.replace(tzinfo=UTC) if expires else None
+    if expires_in is not None:
+        expires_at = datetime.now(UTC) + timedelta(days=expires_in)
     with local_farm().session() as session:
-        secret = create_token(session, name, role)
-    emit({"name": name, "role": role, "token": secret}, as_json, lambda: click.echo(secret))
+        secret = create_token(session, name, role, expires_at)
+    emit(
+        {"name": name, "role": role, "expires_at": expires_at, "token": secret},
+        as_json,
+        lambda: click.echo(secret),
+    )
 
 
 @token.command("revoke")
@@ -211,16 +232,29 @@ def token_list(as_json: bool) -> None:
     """List tokens (names and roles; the tokens themselves are not stored)."""
     from farm.tokens import list_tokens
 
+    at = datetime.now(UTC)
     with local_farm().session() as session:
         rows = [
-            {"name": t.name, "role": t.role, "created_at": t.created_at, "revoked_at": t.revoked_at}
+            {
+                "name": t.name,
+                "role": t.role,
+                "created_at": t.created_at,
+                "revoked_at": t.revoked_at,
+                "expires_at": t.expires_at,
+                "state": _token_state(t, at),
+            }
             for t in list_tokens(session)
         ]
-    emit(
-        rows,
-        as_json,
-        lambda: [
-            out.print(f"{r['name']:24} {r['role']:8} {'revoked' if r['revoked_at'] else 'valid'}")
-            for r in rows
-        ],
-    )
+
+    def human() -> None:
+        for r in rows:
+            until = f" until {r['expires_at']:%Y-%m-%d %H:%M} UTC" if r["expires_at"] else ""
+            out.print(f"{r['name']:24} {r['role']:8} {r['state']}{until}")
+
+    emit(rows, as_json, human)
+
+
+def _token_state(token, at: datetime) -> str:
+    if token.revoked_at:
+        return "revoked"
+    return "expired" if token.expires_at and token.expires_at <= at else "valid"

@@ -310,6 +310,9 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(comment="Created, UTC.")
     revoked_at: Mapped[datetime | None] = mapped_column(comment="Revoked, UTC; null while valid.")
     last_used_at: Mapped[datetime | None] = mapped_column(comment="Last authenticated request.")
+    expires_at: Mapped[datetime | None] = mapped_column(
+        comment="Expires, UTC: from then on requests get 401 token_expired; null: never."
+    )
 
 
 DELETION_STATES = ("pending", "deleted", "kept")

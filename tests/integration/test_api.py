@@ -242,6 +242,41 @@ def test_roles_and_tokens(served, api):
         assert response.status_code == 403 and response.json()["code"] == "forbidden"
 
 
+def test_a_token_past_its_expiry_is_refused_with_token_expired(served, api):
+    from datetime import UTC, datetime, timedelta
+
+    from tests.integration.served import wait_until
+
+    created = served.farm_json(
+        "token", "create", "--name", "ci-short", "--role", "submit", "--expires-in", "0.00006"
+    )  # 5.2 seconds
+    expires_at = datetime.fromisoformat(created["expires_at"])
+    assert timedelta(seconds=3) < expires_at - datetime.now(UTC) <= timedelta(seconds=5.2)
+    headers = {"Authorization": f"Bearer {created['token']}"}
+    with httpx.Client(base_url=api.url, headers=headers, timeout=30) as client:
+        assert client.get("/v1/jobs").status_code == 200  # valid until then
+        expired = wait_until(
+            lambda: (r := client.get("/v1/jobs")).status_code != 200 and r, 15, "the expiry"
+        )
+    assert expired.status_code == 401 and expired.json()["code"] == "token_expired"
+    assert "ci-short" in expired.json()["message"]
+    listed = {t["name"]: t for t in served.farm_json("token", "list")}
+    assert listed["ci-short"]["state"] == "expired" and listed["test-admin"]["state"] == "valid"
+    assert listed["test-admin"]["expires_at"] is None
+
+    until = served.farm_json(
+        "token", "create", "--name", "dated", "--role", "pull", "--expires", "2099-01-02"
+    )
+    assert until["expires_at"].startswith("2099-01-02 00:00:00+00:00")
+    for args, message in (
+        (["--expires", "2001-01-01"], "is in the past"),
+        (["--expires-in", "0"], "--expires-in"),
+        (["--expires-in", "1", "--expires", "2099-01-01"], "not both"),
+    ):
+        refused = served.farm("token", "create", "--name=x", "--role=pull", *args, check=False)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+
+
 def test_pull_reports_and_download_redirects_to_a_presigned_url(served, api, conv_xml):
     served.start_worker("w1")
     result = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--wait", env=cli_env(api))
