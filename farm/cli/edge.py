@@ -218,4 +218,4 @@ def _print_sync(results) -> None:
             line += f"  {result.cache_key[:16]}…"
         if result.detail:
             line += f"  ({result.detail})"
-        (out if result.status == "ready" else err).print(line)
+        (out if result.status == "ready" else err).print(line, soft_wrap=True)

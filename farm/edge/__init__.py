@@ -73,16 +73,21 @@ def compile_model(
     compile_spec = CompileSpec.create(device, **spec)
     ref = ModelRef.from_path(model_path)
     key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target))
+    owned = agent is None
     agent = agent or agent_from_settings()
     try:
-        imported = agent.load(key, compile_spec.target.device, ref.files.get("bin"))
-    except NotFound:
-        if fallback != "compile":
-            raise BlobNotAvailable(
-                f"the farm has no blob for {ref.name} ({compile_spec.summary()}, key {key}); "
-                "submit it with `farm submit`, or pass fallback='compile'"
-            ) from None
-        return _compile_here(ref, compile_spec, agent if submit else None)
+        try:
+            imported = agent.load(key, compile_spec.target.device, ref.files.get("bin"))
+        except NotFound:
+            if fallback != "compile":
+                raise BlobNotAvailable(
+                    f"the farm has no blob for {ref.name} ({compile_spec.summary()}, key {key}); "
+                    "submit it with `farm submit`, or pass fallback='compile'"
+                ) from None
+            return _compile_here(ref, compile_spec, agent if submit else None)
+    finally:
+        if owned:
+            agent.source.close()
     # OpenVINO reads the blob through the memory map for as long as the model lives.
     imported.compiled.farm_import = imported
     return imported.compiled

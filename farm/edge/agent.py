@@ -12,6 +12,7 @@ import errno
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,8 @@ class EdgeAgent:
             except BaseException:
                 lease.close()
                 raise
+            # The lease ends with the imported model (whoever drops it last), not before.
+            weakref.finalize(imported, lease.close)
         except Exception as error:
             self._report(cache_key, ok=False, error=f"{type(error).__name__}: {error}")
             raise

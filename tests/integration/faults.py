@@ -65,10 +65,18 @@ class PrivateRedis:
 
 
 class TcpProxy:
-    """Forwards a loopback port to a target; `cut()` closes every connection and the port."""
+    """Forwards a loopback port to a target; `cut()` closes every connection and the port.
 
-    def __init__(self, target_port: int) -> None:
+    With `cut_once_after`, the first connection that has carried that many bytes back to its
+    client is broken off mid-stream (a dropped download); later connections pass whole.
+    `sent` keeps what clients sent, to check what they asked for after the cut.
+    """
+
+    def __init__(self, target_port: int, cut_once_after: int | None = None) -> None:
         self.target_port = target_port
+        self.cut_once_after = cut_once_after
+        self.cuts = 0
+        self.sent = bytearray()
         self.port = free_port()
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
@@ -106,13 +114,27 @@ class TcpProxy:
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:
                 self._connections += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, back in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, back), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, back: bool) -> None:
+        carried = 0
         with contextlib.suppress(OSError):
             while data := source.recv(1 << 16):
+                if not back:
+                    self.sent += data
                 sink.sendall(data)
+                carried += len(data)
+                if back and self._should_cut(carried):
+                    for end in (source, sink):
+                        end.shutdown(socket.SHUT_RDWR)
+                    return
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
+
+    def _should_cut(self, carried: int) -> bool:
+        with self._lock:
+            if self.cut_once_after is None or self.cuts or carried < self.cut_once_after:
+                return False
+            self.cuts += 1
+            return True
