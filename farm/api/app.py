@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from farm.config import Settings, get_settings
 from farm.local import LocalFarm
-from farm.tokens import Caller, TokenExpired, authenticate
+from farm.tokens import Caller, authenticate
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,7 @@ def caller_with(role: str) -> Callable[..., Caller]:
         if credentials is None:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer …)")
         with farm_of(request).session() as session:
-            try:
-                caller = authenticate(session, credentials.credentials)
-            except TokenExpired as error:
-                raise ApiError(401, "token_expired", str(error)) from None
+            caller = authenticate(session, credentials.credentials)
         if caller is None:
             raise ApiError(401, "unauthorized", "invalid or revoked token")
         if not caller.may(role):
@@ -110,11 +107,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.limiter = RateLimiter(settings.api_requests_per_minute)
     _install_error_handlers(app)
-    from farm.api import metrics
+    from farm.api import dashboard, metrics
     from farm.api.routes import router
 
     app.include_router(router)
     app.include_router(metrics.router)
+    app.include_router(dashboard.router)
     return app
 
 

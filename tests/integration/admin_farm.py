@@ -34,14 +34,14 @@ def farm_cli(env: dict[str, str], *args: str, expect: int = 0) -> dict:
 
     with warnings.catch_warnings():
         # A `farm` process leaves its HTTP client's socket to process exit; in this process
-        # that would be a ResourceWarning when the command returns.
+        # that would be a ResourceWarning once the result (and the traceback it holds) goes.
         warnings.simplefilter("ignore", ResourceWarning)
         result = CliRunner().invoke(main, [*args, "--json"], env=env, catch_exceptions=False)
+        code, stdout, output = result.exit_code, result.stdout, result.output
+        del result
         gc.collect()
-    assert result.exit_code == expect, (
-        f"farm {' '.join(args)} → {result.exit_code}\n{result.output}"
-    )
-    return json.loads(result.stdout) if result.stdout.strip() else {}
+    assert code == expect, f"farm {' '.join(args)} → {code}\n{output}"
+    return json.loads(stdout) if stdout.strip() else {}
 
 
 @dataclass
