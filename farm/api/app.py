@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from farm.config import Settings, get_settings
 from farm.local import LocalFarm
-from farm.tokens import Caller, authenticate
+from farm.tokens import Caller, TokenExpired, authenticate
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ def caller_with(role: str) -> Callable[..., Caller]:
         if credentials is None:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer …)")
         with farm_of(request).session() as session:
-            caller = authenticate(session, credentials.credentials)
+            try:
+                caller = authenticate(session, credentials.credentials)
+            except TokenExpired as error:
+                raise ApiError(401, "token_expired", str(error)) from None
         if caller is None:
             raise ApiError(401, "unauthorized", "invalid or revoked token")
         if not caller.may(role):
