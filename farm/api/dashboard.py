@@ -18,11 +18,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import func, select
 
-from farm import routing, service, tokens
+from farm import routing, service
 from farm.api import dashboard_html as html
 from farm.api.app import farm_of
 from farm.db.models import Blob, Job, Pull
-from farm.tokens import Caller, authenticate
+from farm.tokens import Caller, TokenExpired, authenticate
 
 COOKIE = "farm_dashboard"
 COOKIE_SECONDS = 8 * 3600
@@ -30,8 +30,6 @@ COOKIE_SECONDS = 8 * 3600
 ROLE = "submit"
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
-# Token expiry (`tokens.TokenExpired`) is being added alongside; until then nothing expires.
-_EXPIRED = getattr(tokens, "TokenExpired", ())
 
 
 def _caller(request: Request, token: str | None) -> Caller | None:
@@ -40,7 +38,7 @@ def _caller(request: Request, token: str | None) -> Caller | None:
     with farm_of(request).session() as session:
         try:
             caller = authenticate(session, token)
-        except _EXPIRED:
+        except TokenExpired:
             return None
     if caller is None or not caller.may(ROLE):
         return None

@@ -4,6 +4,8 @@ filter them, and check screenshots for the failed-state badge; plus the login ru
 from __future__ import annotations
 
 import os
+import time
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -138,5 +140,9 @@ def test_dashboard_login_rules(empty_farm):
 
         with farm.sessions() as session:
             admin = create_token(session, "admin-1", "admin")
+            soon = datetime.now(UTC) + timedelta(seconds=1)
+            expired = create_token(session, "soon-expired", "admin", soon)
         bearer = httpx.get(base, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
         assert bearer.status_code == 200 and "admin-1" in bearer.text
+        time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.1)
+        assert client.post(f"{base}/login", data={"token": expired}).status_code == 401
