@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     """Hard time limit of one compile."""
     max_queue_seconds: int = 24 * 3600
     """A job queued longer than this fails (no worker took it)."""
+    max_attempts: int = 3
+    """Claims a new job gets. Every claim counts, whatever ended it: a worker that died (an
+    OOM-killed compile) or an infrastructure error (storage, database, broker). Then it fails."""
     resend_after_seconds: int = 300
     """The reconciler re-sends a queued job's message after this long without a claim."""
     worker_heartbeat_seconds: int = 30

@@ -1,7 +1,8 @@
 """The reconciler: what slipped through the queue is picked up from the database.
 
 Runs periodically (Celery beat → the `control` queue) or as `farm reconcile`. Each pass:
-- fails jobs that used up their attempts or waited in the queue past the maximum;
+- fails jobs that used up their attempts (every claim counts: a worker that died, an
+  infrastructure error) or waited in the queue past the maximum;
 - takes back running jobs whose lease expired (their worker died) and re-sends them;
 - re-sends queued jobs whose message is older than `resend_after_seconds` (a lost message);
 - aborts multipart uploads older than the maximum run time.
@@ -55,8 +56,9 @@ def reconcile(
     for job in exhausted:
         _fail(
             job,
-            f"gave up after {job.attempts} attempts (the worker died or the job was "
-            "interrupted each time); see the workers' logs",
+            f"gave up after {job.attempts} attempts (FARM_MAX_ATTEMPTS): each ended without a "
+            "result (the worker died, or storage, database or broker failed); see the workers' "
+            "logs",
         )
         report.failed.append(job.id)
 

@@ -74,7 +74,8 @@ def run_job(
     """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
 
     Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
-    database) put the job back in the queue and propagate, for the caller to retry.
+    database) put the job back in the queue, or fail it when that was its last attempt, and
+    propagate, for the caller to retry (the retry finds the job failed and does nothing).
     """
     worker = worker or socket.gethostname()
     with sessions() as session:
@@ -89,8 +90,8 @@ def run_job(
             outcome = _compile_and_store(job, model_row, store, work_dir, lease, limits)
         with sessions() as session:
             return outcome(session)
-    except Exception:
-        _release(sessions, job_id, worker)
+    except Exception as error:
+        _release(sessions, job_id, worker, error)
         raise
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -204,19 +205,29 @@ def _record_blob(session: Session, job: Job, model_row: Model, result, stored, o
     return session.get(Job, job.id, populate_existing=True)
 
 
-def _release(sessions: sessionmaker[Session], job_id: int, worker: str) -> None:
+def _release(sessions: sessionmaker[Session], job_id: int, worker: str, error: Exception) -> None:
     """Hand a job back to the queue after an infrastructure error; the retry re-claims it.
 
-    The attempt is given back too: `attempts` counts runs that died with their worker (an
-    OOM-killed compile), not outages of storage or database. If the database is down, the
-    lease simply expires and the reconciler takes the job back.
+    The attempt stays counted: every claim is one of the job's `max_attempts`, so an outage
+    that outlasts them fails the job with the error, instead of re-sending it until its
+    maximum queue wait. If the database is down, the lease simply expires and the reconciler
+    takes the job back (or fails it, past its attempts).
     """
     try:
         with sessions() as session:
+            job = session.get(Job, job_id)
+            values = {"state": "queued"}
+            if job is not None and job.attempts >= job.max_attempts:
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                reason = (
+                    f"gave up after {job.attempts} attempts (FARM_MAX_ATTEMPTS); the last "
+                    f"ended with an infrastructure error: {type(error).__name__}: {first_line}"
+                )
+                values = {"state": "failed", "finished_at": now(), "error": reason, "log": reason}
             session.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.state == "running", Job.worker == worker)
-                .values(state="queued", lease_expires_at=None, attempts=Job.attempts - 1)
+                .values(lease_expires_at=None, **values)
             )
             session.commit()
     except Exception:

@@ -64,11 +64,13 @@ def submit(
     queue: str = "embedded",
     submitter: str | None = None,
     submission_id: str | None = None,
+    max_attempts: int | None = None,
 ) -> Submission:
     """Return the hit, the active job for the same cache key, or a new queued job (committed).
 
     The caller sends a new job's message only after this commit (`farm.dispatch`). A new job
-    needs the model's files in the store: ModelMissing names those it lacks.
+    needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
+    claims the new job gets (`Settings.max_attempts`); None: the column's default.
     """
     key = key_for(model.identity, spec, toolchain)
     if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
@@ -93,6 +95,8 @@ def submit(
         submission_id=submission_id,
         created_at=now(),
     )
+    if max_attempts is not None:
+        job.max_attempts = max_attempts
     session.add(job)
     try:
         session.commit()

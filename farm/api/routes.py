@@ -192,6 +192,7 @@ def submit(
                 queue=queue,
                 submitter=caller.name,
                 submission_id=submission_id,
+                max_attempts=farm.settings.max_attempts,
             )
             if outcome.outcome == "queued":
                 to_send.append((outcome.job_id, queue))

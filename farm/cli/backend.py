@@ -55,6 +55,7 @@ class Direct:
                     toolchain,
                     queue=queue,
                     submission_id=submission_id,
+                    max_attempts=settings.max_attempts,
                 )
                 if outcome.outcome == "queued":
                     if settings.served:

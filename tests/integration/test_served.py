@@ -201,3 +201,60 @@ def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):
             assert "Traceback" not in text
     with served.sessions() as session:
         assert session.scalars(select(Job)).all() == []
+
+
+def test_a_job_over_its_attempt_limit_fails_through_farm_reconcile(served, conv_xml):
+    from farm.runner import claim
+
+    result = served.farm_json("submit", str(conv_xml), "-d", "CPU", env={"FARM_MAX_ATTEMPTS": "2"})
+    job_id = result["job"]["id"]
+    assert served.job(job_id).max_attempts == 2
+    # Two workers claim it and die at once (a lease of 0 s): each claim is one attempt.
+    with served.sessions() as session:
+        assert claim(session, job_id, "dead-1", lease_seconds=0)
+        assert claim(session, job_id, "dead-2", lease_seconds=0)
+        assert not claim(session, job_id, "w3", lease_seconds=60)  # none left
+    report = served.farm_json("reconcile")
+    assert report["failed"] == [job_id] and report["resent"] == []
+    job = served.job(job_id)
+    assert job.state == "failed" and job.attempts == 2 and job.lease_expires_at is None
+    assert job.error.startswith("gave up after 2 attempts (FARM_MAX_ATTEMPTS)")
+    assert served.farm_json("status", str(job_id))["error"] == job.error
+
+
+def test_a_job_queued_past_the_maximum_wait_fails_through_farm_reconcile(served, conv_xml):
+    submission = submit_direct(served, conv_xml, send=False)
+    assert served.farm_json("reconcile")["failed"] == []  # 24 h by default
+    report = served.farm_json("reconcile", env={"FARM_MAX_QUEUE_SECONDS": "0"})
+    assert report["failed"] == [submission.job_id] and report["resent"] == []
+    job = served.job(submission.job_id)
+    assert job.state == "failed" and job.attempts == 0 and job.finished_at is not None
+    assert "waited in queue compile.cpu longer than 0 s" in job.error
+
+
+def test_infrastructure_errors_count_as_attempts_then_fail_the_job(served, conv_xml, s3_url):
+    from farm.runner import RunLimits, run_job
+    from farm.storage import StorageError
+    from farm.storage.s3 import S3Settings, S3Store
+    from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
+
+    submission = submit_direct(served, conv_xml, send=False)
+    # A worker whose store is misconfigured (another prefix): every model read fails.
+    elsewhere = S3Settings.from_url(
+        f"{s3_url}-elsewhere", endpoint_url=S3_ENDPOINT_URL, **S3_CREDENTIALS
+    )
+    store = S3Store(elsewhere)
+    limits = RunLimits(lease_seconds=30)
+    for attempt in (1, 2, 3):
+        with pytest.raises(StorageError):
+            run_job(served.sessions, store, submission.job_id, worker="w9", limits=limits)
+        job = served.job(submission.job_id)
+        assert (job.attempts, job.state) == (attempt, "queued" if attempt < 3 else "failed")
+    assert job.error.startswith(
+        "gave up after 3 attempts (FARM_MAX_ATTEMPTS); the last ended with an infrastructure "
+        "error: StorageError: S3 read of models/"
+    )
+    # The retry Celery would still make finds the job failed and does nothing.
+    again = run_job(served.sessions, store, submission.job_id, worker="w9", limits=limits)
+    assert again.state == "failed" and again.attempts == 3
+    assert served.count(Blob) == 0

@@ -59,7 +59,8 @@ def test_s3_unreachable_during_a_job_is_retried_and_never_leaves_a_row_without_o
         assert farm.count(Blob) == 0
         proxy.start()
         job = farm.wait_job(job_id, timeout=120)
-        assert job.state == "succeeded" and job.attempts == 1
+        # The claim that met the outage counts as an attempt (FARM_MAX_ATTEMPTS, 3 here).
+        assert job.state == "succeeded" and job.attempts in (2, 3)
         (blob,) = farm.blobs()
         assert farm.store.stat(blob.storage_key).sha256 == blob.sha256
     finally:
