@@ -200,3 +200,37 @@ def test_db_upgrade_and_logs_answer_in_json(farm_home, conv_xml):
     assert log["id"] == job["id"] and log["state"] == "succeeded"
     assert "toolchain=" in log["log"]
     assert farm(farm_home, "logs", str(job["id"])).stdout.strip() == log["log"].strip()
+
+
+def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_targets(farm_home):
+    import openvino as ov
+
+    from farm.compiler import NPU_COMPILER_LIBRARY
+    from farm.spec import KNOWN_TARGETS
+
+    libs = Path(ov.__file__).parent / "libs"
+    found = {
+        library: (libs / library).exists()
+        for library in ("libopenvino_intel_npu_plugin.so", NPU_COMPILER_LIBRARY)
+    }
+    human = farm(farm_home, "doctor")  # exit 0: every configured service answers
+    text = human.stdout
+    assert f"ok      openvino: {ov.get_version()}" in text
+    assert f"ok      devices: {', '.join(ov.Core().available_devices)}" in text
+    for library, present in found.items():
+        assert f"{'ok     ' if present else 'missing'} {library}: " in text, library
+    assert "ok      compile CPU: compiles here" in text
+    assert "ok      database: sqlite:///" in text and "ok      storage: " in text
+
+    checks = {c["check"]: c for c in farm_json(farm_home, "doctor")}
+    assert checks["openvino"] == {"check": "openvino", "ok": True, "detail": ov.get_version()}
+    for library, present in found.items():
+        assert checks[library]["ok"] is present
+        assert checks[library]["detail"] == (str(libs / library) if present else "missing")
+    assert {f"compile {t}" for t in KNOWN_TARGETS} <= set(checks)
+    assert checks["compile CPU"] == {"check": "compile CPU", "ok": True, "detail": "compiles here"}
+    for target in KNOWN_TARGETS:
+        if target != "CPU" and not found[NPU_COMPILER_LIBRARY]:
+            check = checks[f"compile {target}"]
+            assert check["ok"] is False and NPU_COMPILER_LIBRARY in check["detail"], target
+            assert f"missing compile {target}: cannot compile for {target}" in text
