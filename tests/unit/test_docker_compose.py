@@ -1,0 +1,58 @@
+"""docker/compose.yaml cannot run here (no Docker): check what can be checked without it.
+
+Each service's command must parse as a real `farm` command with its options, the API must bind
+every interface, and the workers must offer for routing the memory their container may use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+
+from farm.cli import main
+
+yaml = pytest.importorskip("yaml")
+
+COMPOSE = Path(__file__).parents[2] / "docker" / "compose.yaml"
+UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def parse(args: list[str]) -> click.Context:
+    """The context click builds for `farm ARGS` (options checked), without running it."""
+    command, rest = main, list(args)
+    while isinstance(command, click.Group):
+        assert rest and rest[0] in command.commands, f"no command farm {' '.join(args)}"
+        command, rest = command.commands[rest[0]], rest[1:]
+    return command.make_context(command.name, rest)
+
+
+def test_every_farm_service_runs_a_real_farm_command(services):
+    farm_services = {name: s for name, s in services.items() if "build" in s}
+    assert set(farm_services) == {"migrate", "api", "worker", "reconciler"}
+    for name, service in farm_services.items():
+        parse(service["command"])  # raises UsageError on an unknown command or option
+        env = service["environment"]
+        assert env["FARM_DATABASE_URL"].startswith("postgresql+psycopg://"), name
+        assert env["FARM_BROKER_URL"].startswith("redis://"), name
+
+
+def test_the_api_listens_on_every_interface_after_migrations(services):
+    api = services["api"]
+    options = parse(api["command"]).params
+    assert options["host"] == "0.0.0.0"
+    assert api["ports"] == [f"{options['port']}:{options['port']}"]
+    assert api["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+
+
+def test_workers_offer_the_memory_of_their_container(services):
+    worker = services["worker"]
+    limit = worker["deploy"]["resources"]["limits"]["memory"]
+    limit_bytes = int(limit[:-1]) * UNITS[limit[-1].lower()]
+    assert int(worker["environment"]["FARM_WORKER_MEMORY_BYTES"]) == limit_bytes
