@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     """A running job's lease; its worker renews it every third of this while compiling."""
     max_run_seconds: int = 3 * 3600
     """Hard time limit of one compile."""
+    compile_memory_bytes: int | None = None
+    """Memory limit of one compile (its child process's address space); a compile over it fails
+    its own job. Default: 90% of worker_memory_bytes, or of the host's memory. 0: no limit."""
     max_queue_seconds: int = 24 * 3600
     """A job queued longer than this fails (no worker took it)."""
     max_attempts: int = 3
@@ -68,6 +71,16 @@ class Settings(BaseSettings):
     presign_seconds: int = 3600
     """Lifetime of a presigned download URL."""
 
+    signing_key: Path | None = None
+    """Workers: Ed25519 private key (PEM) that signs each blob. Embedded default:
+    ``<home>/keys/signing.pem``, created on first use; served workers without one record
+    unsigned blobs, which edges refuse."""
+    trusted_keys: str | None = None
+    """Edges: comma-separated paths of the public keys (PEM) whose signatures they accept;
+    several, so a farm can rotate its key. The embedded farm's own key is always trusted."""
+    allow_unsigned: bool = False
+    """Edges: import blobs without checking signatures (development only)."""
+
     @property
     def served(self) -> bool:
         return self.broker_url is not None
@@ -79,6 +92,26 @@ class Settings(BaseSettings):
     @cached_property
     def resolved_storage_url(self) -> str:
         return self.storage_url or str(self.home.resolve() / "store")
+
+    @property
+    def resolved_compile_memory_bytes(self) -> int | None:
+        """None: no limit. With ``farm worker --concurrency N``, set about 1/N of the default."""
+        if self.compile_memory_bytes is not None:
+            return self.compile_memory_bytes or None
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int((self.worker_memory_bytes or host) * 0.9)
+
+    @property
+    def embedded_signing_key(self) -> Path:
+        return self.home.resolve() / "keys" / "signing.pem"
+
+    @property
+    def resolved_signing_key(self) -> Path | None:
+        return self.signing_key or (None if self.served else self.embedded_signing_key)
+
+    @property
+    def trusted_key_paths(self) -> list[Path]:
+        return [Path(p.strip()) for p in (self.trusted_keys or "").split(",") if p.strip()]
 
 
 def get_settings() -> Settings:

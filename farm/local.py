@@ -40,9 +40,14 @@ class LocalFarm:
     def run(self, job_id: int):
         """Compile a job in this process's child (the embedded farm's worker)."""
         from farm.runner import RunLimits, run_job
+        from farm.signing import load_signer
 
-        limits = RunLimits(self.settings.lease_seconds, self.settings.max_run_seconds)
-        return run_job(self.sessions, self.store, job_id, limits=limits)
+        settings = self.settings
+        limits = RunLimits(
+            settings.lease_seconds, settings.max_run_seconds, settings.resolved_compile_memory_bytes
+        )
+        signer = load_signer(self.settings.resolved_signing_key, create=not self.settings.served)
+        return run_job(self.sessions, self.store, job_id, limits=limits, signer=signer)
 
     def dispatcher(self):
         from farm.dispatch import Dispatcher

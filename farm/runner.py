@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from farm.db.models import Blob, Job, Model
 from farm.service import blob_storage_key, model_storage_key, now
+from farm.signing import Signer
 from farm.spec import CompileSpec, Target, Toolchain
 from farm.storage import BlobStore
 
@@ -36,6 +37,8 @@ CANCEL_POLL_SECONDS = 2.0
 class RunLimits:
     lease_seconds: int = 120
     max_run_seconds: int = 3 * 3600
+    memory_bytes: int | None = None
+    """Address-space limit of the compile's child process; None: none."""
 
 
 def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
@@ -70,6 +73,7 @@ def run_job(
     worker: str | None = None,
     limits: RunLimits = RunLimits(),
     work_root: Path | None = None,
+    signer: Signer | None = None,
 ) -> Job:
     """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
 
@@ -87,7 +91,7 @@ def run_job(
     lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
     try:
         with lease:
-            outcome = _compile_and_store(job, model_row, store, work_dir, lease, limits)
+            outcome = _compile_and_store(job, model_row, store, work_dir, lease, limits, signer)
         with sessions() as session:
             return outcome(session)
     except Exception as error:
@@ -97,7 +101,7 @@ def run_job(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _compile_and_store(job, model_row, store, work_dir, lease, limits):
+def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer):
     """Returns a function that records the outcome in a session (so recording is one place)."""
     from farm import compiler
     from farm.sandbox import CompileCancelled, CompileTimeout, compile_in_child
@@ -111,6 +115,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits):
             work_dir / "out",
             job.cache_key,
             timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
             should_stop=lease.should_stop,
         )
         _check_toolchain(job, result.toolchain, spec.target)
@@ -121,7 +126,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits):
         log_text = _failure_log(spec, message, error.output)
         return lambda session: _finish(session, job, "failed", error=message, log_text=log_text)
     stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
-    return lambda session: _record_blob(session, job, model_row, result, stored, output)
+    return lambda session: _record_blob(session, job, model_row, result, stored, output, signer)
 
 
 def _fetch_model(store: BlobStore, model_row: Model, work_dir: Path) -> dict[str, Path]:
@@ -165,7 +170,7 @@ def _finish(session: Session, job: Job, state: str, error: str, log_text: str | 
     return session.get(Job, job.id, populate_existing=True)
 
 
-def _record_blob(session: Session, job: Job, model_row: Model, result, stored, output: str):
+def _record_blob(session: Session, job: Job, model_row: Model, result, stored, output: str, signer):
     timings = {"compile_seconds": result.compile_seconds, "export_seconds": result.export_seconds}
     at = now()
     # A blob may already exist if a job whose lease we took back finished after all: then the
@@ -185,6 +190,8 @@ def _record_blob(session: Session, job: Job, model_row: Model, result, stored, o
                 sha256=stored.sha256,
                 payload_offset=result.payload_offset,
                 weightless=bool(job.spec.get("weightless")),
+                signature=signer.sign(job.cache_key, stored.sha256) if signer else None,
+                signing_key_id=signer.key_id if signer else None,
                 created_at=at,
                 **timings,
             )

@@ -39,6 +39,8 @@ def blob_dict(blob) -> dict[str, Any]:
         "payload_offset": blob.payload_offset,
         "spec": blob.spec,
         "weightless": blob.weightless,
+        "signature": blob.signature,
+        "signing_key_id": blob.signing_key_id,
         "compile_seconds": blob.compile_seconds,
         "export_seconds": blob.export_seconds,
         "created_at": blob.created_at,

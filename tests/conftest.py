@@ -102,8 +102,15 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 def served_env(tmp_path, postgres_url, redis_url, s3_url, s3_store) -> dict[str, str]:
-    """Environment of a served farm with its own database, Redis db number and bucket prefix."""
+    """Environment of a served farm with its own database, Redis db number and bucket prefix,
+    and a signing key its workers sign with and its edges trust."""
+    from farm.signing import create_key_pair
+
+    signing_key = tmp_path / "keys" / "worker.pem"
+    public_key, _ = create_key_pair(signing_key)
     return {
+        "FARM_SIGNING_KEY": str(signing_key),
+        "FARM_TRUSTED_KEYS": str(public_key),
         "FARM_HOME": str(tmp_path / "farm-home"),
         "FARM_DATABASE_URL": postgres_url,
         "FARM_BROKER_URL": redis_url,

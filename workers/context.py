@@ -27,6 +27,12 @@ class WorkerContext:
         return open_store(self.settings.resolved_storage_url, self.settings)
 
     @cached_property
+    def signer(self):
+        from farm.signing import load_signer
+
+        return load_signer(self.settings.resolved_signing_key, create=not self.settings.served)
+
+    @cached_property
     def dispatcher(self):
         from farm.dispatch import Dispatcher
 

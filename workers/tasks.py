@@ -40,7 +40,12 @@ def compile_job(self, job_id: int) -> None:
         context.store,
         job_id,
         worker=os.environ.get(WORKER_NAME_ENV) or f"{socket.gethostname()}:{os.getpid()}",
-        limits=RunLimits(settings.lease_seconds, settings.max_run_seconds),
+        limits=RunLimits(
+            settings.lease_seconds,
+            settings.max_run_seconds,
+            settings.resolved_compile_memory_bytes,
+        ),
+        signer=context.signer,
     )
     log.info("job %s: %s", job_id, job.state if job else "not found")
 

@@ -116,6 +116,9 @@ class BlobOut(BaseModel):
     sha256: str
     payload_offset: int
     weightless: bool
+    signature: str | None
+    """Ed25519 signature (base64) of (cache_key, sha256); edges check it (farm/signing.py)."""
+    signing_key_id: str | None
     spec: dict[str, Any]
     compile_seconds: float | None
     export_seconds: float | None

@@ -69,6 +69,8 @@ _EXIT_CODES = {
     "farm.compiler.CompilerUnavailable": EXIT_COMPILER_UNAVAILABLE,
     "farm.edge.agent.Incompatible": EXIT_COMPILER_UNAVAILABLE,
     "farm.edge.agent.DiskFull": EXIT_INFRASTRUCTURE,
+    "farm.signing.SignatureError": EXIT_INFRASTRUCTURE,
+    "farm.signing.KeyFileError": EXIT_BAD_INPUT,
     "farm.errors.IntegrityMismatch": EXIT_INFRASTRUCTURE,
     "farm.storage.StorageError": EXIT_INFRASTRUCTURE,
     "farm.doctor.ServiceUnavailable": EXIT_INFRASTRUCTURE,

@@ -230,6 +230,14 @@ class Blob(Base):
     compile_seconds: Mapped[float | None] = mapped_column(Float, comment="Compile time, s.")
     export_seconds: Mapped[float | None] = mapped_column(Float, comment="Blob write time, s.")
     created_at: Mapped[datetime] = mapped_column(comment="Recorded, UTC.")
+    signature: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Ed25519 signature (base64) of (cache_key, sha256) by the worker; null: unsigned.",
+    )
+    signing_key_id: Mapped[str | None] = mapped_column(
+        String(16),
+        comment="Which key signed it: sha256 of the raw public key, 16 hex characters.",
+    )
 
     model: Mapped[Model] = relationship(lazy="joined")
     """Its model (the digests of its files: an edge checks a weightless blob's .bin)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from farm.config import Settings, get_settings
+from farm.signing import TrustedKeys, public_key_path
 
 from .agent import EdgeAgent, Incompatible
 from .cache import BlobCache
@@ -36,16 +37,22 @@ class BlobNotAvailable(LookupError):
 
 
 def agent_from_settings(settings: Settings | None = None, source: Any = None) -> EdgeAgent:
-    """An agent on this machine's cache (`FARM_CACHE_DIR`) talking to `FARM_API_URL`."""
+    """An agent on this machine's cache (`FARM_CACHE_DIR`) talking to `FARM_API_URL`, or to
+    `source` (the embedded farm), trusting the keys of `FARM_TRUSTED_KEYS`."""
     settings = settings or get_settings()
+    trusted = settings.trusted_key_paths
     if source is None:
         from farm.client import FarmClient
 
         if not settings.api_url:
             raise BlobNotAvailable("set FARM_API_URL (and FARM_TOKEN) to pull from a farm")
         source = FarmClient(settings.api_url, settings.token)
+    else:
+        own = public_key_path(settings.embedded_signing_key)
+        trusted = [*trusted, own] if own.exists() else trusted
+    trust = None if settings.allow_unsigned else TrustedKeys.from_files(trusted)
     cache = BlobCache(settings.cache_dir / "blobs", settings.cache_max_bytes)
-    return EdgeAgent(source, cache, settings.agent_id)
+    return EdgeAgent(source, cache, trust, settings.agent_id)
 
 
 def compile_model(

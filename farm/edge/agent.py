@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from farm import hashing
 from farm.errors import IntegrityMismatch, NotFound
+from farm.signing import TrustedKeys
 from farm.spec import Target, Toolchain
 
 from .cache import BlobCache
@@ -106,13 +107,16 @@ class EdgeAgent:
         self,
         source: BlobSource,
         cache: BlobCache,
+        trust: TrustedKeys | None,
         agent_id: str | None = None,
         toolchain: Callable[[Target], Toolchain] | None = None,
     ) -> None:
+        """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs."""
         from farm.compiler import host_toolchain
 
         self.source = source
         self.cache = cache
+        self.trust = trust
         self.agent_id = agent_id or default_agent_id()
         self.toolchain = toolchain or host_toolchain
 
@@ -123,6 +127,11 @@ class EdgeAgent:
         return blob
 
     def check(self, blob: Mapping[str, Any]) -> None:
+        """Before any download: signed by a trusted key, and importable by this machine."""
+        if self.trust is not None:
+            self.trust.verify(
+                blob["cache_key"], blob["sha256"], blob.get("signing_key_id"), blob.get("signature")
+            )
         problems = incompatibilities(blob, self.toolchain(Target.parse(blob["target"])))
         if problems:
             raise Incompatible(
@@ -135,10 +144,10 @@ class EdgeAgent:
         broken connection, checked against the farm's sha256) after a compatibility check.
         `blob` is the farm's record of it, when the caller resolved it already."""
         blob = blob or self.resolve(cache_key)
+        self.check(blob)
         cached = self.cache.get(cache_key)
         if cached is not None:
             return Fetched(cache_key, cached, blob, downloaded=False)
-        self.check(blob)
         partial = self.cache.partial_path(cache_key)
         self._ensure_room(blob["size_bytes"] - _size(partial))
         self._download(cache_key, partial, blob["size_bytes"], progress)

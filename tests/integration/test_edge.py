@@ -63,6 +63,7 @@ class EdgeFarm:
             "FARM_CACHE_DIR": str(self.tmp / "edge-cache"),
             "FARM_HOME": str(self.tmp / "edge-home"),
             "FARM_AGENT_ID": "edge-042",
+            "FARM_TRUSTED_KEYS": str(self.home / "keys" / "signing.pem.pub"),
         }
 
     @property
@@ -120,6 +121,7 @@ def test_a_cut_connection_is_resumed_with_a_range_request(tmp_path):
     proxy.start()
     try:
         edge = {
+            "FARM_TRUSTED_KEYS": str(home / "keys" / "signing.pem.pub"),
             "FARM_API_URL": f"http://127.0.0.1:{proxy.port}",
             "FARM_TOKEN": token,
             "FARM_CACHE_DIR": str(tmp_path / "edge-cache"),

@@ -67,6 +67,7 @@ def test_a_worker_blob_is_pulled_imported_and_run_on_the_edge_install(
         "FARM_API_URL": api.url,
         "FARM_TOKEN": api.tokens["pull"],
         "FARM_AGENT_ID": "edge-install",
+        "FARM_TRUSTED_KEYS": served.env["FARM_TRUSTED_KEYS"],
     }
 
     def edge(*args: str) -> dict:

@@ -1,0 +1,83 @@
+"""`farm keys`: the Ed25519 key pair workers sign blobs with, and the keys an edge trusts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from farm.cli import main
+from farm.cli.common import emit, handle_errors, json_option, out
+from farm.config import get_settings
+
+
+@main.group()
+def keys() -> None:
+    """Blob signing keys: workers sign with FARM_SIGNING_KEY, edges trust FARM_TRUSTED_KEYS."""
+
+
+@keys.command("create")
+@click.option(
+    "--path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Private key file to write (default: FARM_SIGNING_KEY, or the embedded farm's).",
+)
+@json_option
+@handle_errors
+def keys_create(path: Path | None, as_json: bool) -> None:
+    """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
+    from farm.signing import KeyFileError, create_key_pair
+
+    settings = get_settings()
+    path = path or settings.signing_key or settings.embedded_signing_key
+    try:
+        public, key_id = create_key_pair(path)
+    except FileExistsError:
+        raise KeyFileError(f"{path} exists; keys are never overwritten") from None
+    data = {"private_key": str(path), "public_key": str(public), "key_id": key_id}
+    emit(
+        data,
+        as_json,
+        lambda: out.print(
+            f"key {key_id}: private {path} (keep it on workers), public {public} "
+            "(edges: FARM_TRUSTED_KEYS)"
+        ),
+    )
+
+
+@keys.command("show")
+@json_option
+@handle_errors
+def keys_show(as_json: bool) -> None:
+    """This host's signing key (if any) and the keys it trusts."""
+    from farm.signing import Signer, TrustedKeys, public_key_path
+
+    settings = get_settings()
+    signing = settings.resolved_signing_key
+    data: dict = {
+        "signing_key": None,
+        "trusted_keys": {},
+        "allow_unsigned": settings.allow_unsigned,
+    }
+    if signing is not None and signing.exists():
+        data["signing_key"] = {
+            "key_id": Signer.from_file(signing).key_id,
+            "private_key": str(signing),
+            "public_key": str(public_key_path(signing)),
+        }
+    trusted = TrustedKeys.from_files(settings.trusted_key_paths)
+    data["trusted_keys"] = dict(
+        zip(trusted.keys, map(str, settings.trusted_key_paths), strict=True)
+    )
+
+    def human() -> None:
+        key = data["signing_key"]
+        out.print(
+            f"signing key  {key['key_id']} ({key['private_key']})" if key else "signing key  none"
+        )
+        for key_id, path in data["trusted_keys"].items():
+            out.print(f"trusts       {key_id} ({path})")
+        if settings.allow_unsigned:
+            out.print("FARM_ALLOW_UNSIGNED is set: this machine imports unsigned blobs")
+
+    emit(data, as_json, human)

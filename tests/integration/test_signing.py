@@ -1,0 +1,91 @@
+"""Signed blobs: workers sign (cache key, sha256) with Ed25519; edges refuse a blob that is
+unsigned, signed by a key they do not trust, or whose signature belongs to other bytes; keys
+rotate by trusting several; `farm keys` creates and shows them."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from farm.signing import SignatureError, Signer, TrustedKeys, create_key_pair
+from tests.integration.test_edge import edge_farm, ok_json, run_farm  # noqa: F401
+
+KEY, SHA = "a" * 64, "b" * 64
+
+
+def test_a_signature_binds_the_cache_key_and_the_bytes(tmp_path):
+    public, key_id = create_key_pair(tmp_path / "k.pem")
+    signer = Signer.from_file(tmp_path / "k.pem")
+    assert signer.key_id == key_id
+    signature = signer.sign(KEY, SHA)
+    trusted = TrustedKeys.from_files([public])
+    trusted.verify(KEY, SHA, key_id, signature)
+    with pytest.raises(SignatureError, match="invalid signature"):
+        trusted.verify("c" * 64, SHA, key_id, signature)  # moved to another blob
+    with pytest.raises(SignatureError, match="invalid signature"):
+        trusted.verify(KEY, "d" * 64, key_id, signature)  # other bytes
+    with pytest.raises(SignatureError, match="not signed"):
+        trusted.verify(KEY, SHA, None, None)
+    with pytest.raises(SignatureError, match="does not trust"):
+        TrustedKeys.from_files([]).verify(KEY, SHA, key_id, signature)
+    assert (tmp_path / "k.pem").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        create_key_pair(tmp_path / "k.pem")  # never overwritten
+
+
+def set_blob(edge_farm, **columns) -> None:  # noqa: F811
+    assignments = ", ".join(f"{name} = ?" for name in columns)
+    with sqlite3.connect(edge_farm.home / "farm.db") as connection:
+        connection.execute(f"UPDATE blobs SET {assignments}", tuple(columns.values()))
+
+
+def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noqa: F811
+    env = edge_farm.edge_env()
+    untrusting = {**env, "FARM_TRUSTED_KEYS": ""}
+    refused = run_farm(untrusting, "pull", edge_farm.key)
+    assert refused.returncode == 5 and "does not trust" in refused.stderr
+
+    (signature, key_id), *_ = edge_farm.sql("SELECT signature, signing_key_id FROM blobs")
+    set_blob(edge_farm, signature=None, signing_key_id=None)
+    unsigned = run_farm(env, "pull", edge_farm.key)
+    assert unsigned.returncode == 5 and "not signed" in unsigned.stderr
+    allowed = ok_json({**env, "FARM_ALLOW_UNSIGNED": "1"}, "pull", edge_farm.key)
+    assert allowed["downloaded"] is True
+
+    other = Signer.from_file(edge_farm.home / "keys" / "signing.pem").sign("c" * 64, "d" * 64)
+    set_blob(edge_farm, signature=other, signing_key_id=key_id)
+    forged = run_farm(env, "pull", edge_farm.key)
+    assert forged.returncode == 5 and "invalid signature" in forged.stderr
+    set_blob(edge_farm, signature=signature, signing_key_id=key_id)
+    assert ok_json(env, "pull", edge_farm.key)["signing_key_id"] == key_id
+    for result in (refused, unsigned, forged):
+        assert "Traceback" not in result.stderr
+
+
+def test_keys_rotate_and_farm_keys_creates_and_shows_them(edge_farm, tmp_path):  # noqa: F811
+    old_public = edge_farm.home / "keys" / "signing.pem.pub"
+    new_key = tmp_path / "rotated" / "signing.pem"
+    created = ok_json(edge_farm.farm_env, "keys", "create", "--path", str(new_key))
+    assert created["public_key"] == f"{new_key}.pub"
+    again = run_farm(edge_farm.farm_env, "keys", "create", "--path", str(new_key))
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+
+    # Blobs compiled from now on are signed with the new key; edges trust both during rotation.
+    rotated = {**edge_farm.farm_env, "FARM_SIGNING_KEY": str(new_key)}
+    xml = edge_farm.xml.with_name("conv.xml")
+    new_blob = ok_json(rotated, "submit", str(xml), "-d", "CPU", "--shape", "x[1,3,32,32]")
+    (signer_id,) = edge_farm.sql(
+        "SELECT signing_key_id FROM blobs WHERE cache_key = ?", new_blob["cache_key"]
+    )[0]
+    assert signer_id == created["key_id"]
+
+    both = {**edge_farm.edge_env(), "FARM_TRUSTED_KEYS": f"{old_public},{new_key}.pub"}
+    assert ok_json(both, "pull", edge_farm.key)["downloaded"] is True
+    assert ok_json(both, "pull", new_blob["cache_key"])["downloaded"] is True
+    only_old = {**edge_farm.edge_env(), "FARM_CACHE_DIR": str(tmp_path / "other-cache")}
+    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 5
+
+    shown = ok_json({**rotated, "FARM_TRUSTED_KEYS": f"{new_key}.pub"}, "keys", "show")
+    assert shown["signing_key"]["key_id"] == created["key_id"]
+    assert shown["trusted_keys"] == {created["key_id"]: f"{new_key}.pub"}
