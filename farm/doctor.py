@@ -38,6 +38,26 @@ def openvino_checks() -> list[Check]:
     return checks
 
 
+def signing_check(settings: Settings) -> Check:
+    """Whether this host signs the blobs it compiles (edges refuse unsigned ones)."""
+    from farm.signing import KeyFileError, Signer
+
+    path = settings.resolved_signing_key
+    if path is None:
+        return Check(
+            "signing",
+            False,
+            "no FARM_SIGNING_KEY: blobs are recorded unsigned and edges refuse "
+            "them (farm keys create)",
+        )
+    if not path.exists() and not settings.served:
+        return Check("signing", True, f"{path} (created on the first compile)")
+    try:
+        return Check("signing", True, f"key {Signer.from_file(path).key_id} ({path})")
+    except KeyFileError as error:
+        return Check("signing", False, str(error))
+
+
 def service_checks(settings: Settings) -> list[Check]:
     checks = [_database(settings)]
     if settings.broker_url:

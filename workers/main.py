@@ -11,7 +11,7 @@ from celery import signals
 
 from farm import compiler, routing
 from farm.config import Settings
-from farm.doctor import require_services
+from farm.doctor import ServiceUnavailable, require_services, signing_check
 from workers.tasks import WORKER_NAME_ENV
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,11 @@ def run_worker(
     from workers.context import worker_context
 
     require_services(settings)
+    signing = signing_check(settings)
+    if not signing.ok:
+        if settings.signing_key is not None:
+            raise ServiceUnavailable(f"{signing.detail} (FARM_SIGNING_KEY)")
+        log.warning("%s", signing.detail)
     probe = compiler.probe_targets()
     compilable = [target for target, reason in probe.items() if reason is None]
     if not compilable:

@@ -22,18 +22,21 @@ def keys() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Private key file to write (default: FARM_SIGNING_KEY, or the embedded farm's).",
 )
+@click.option("--if-missing", is_flag=True, help="Keep an existing key instead of failing.")
 @json_option
 @handle_errors
-def keys_create(path: Path | None, as_json: bool) -> None:
+def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
     """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
-    from farm.signing import KeyFileError, create_key_pair
+    from farm.signing import KeyFileError, Signer, create_key_pair, public_key_path
 
     settings = get_settings()
     path = path or settings.signing_key or settings.embedded_signing_key
     try:
         public, key_id = create_key_pair(path)
     except FileExistsError:
-        raise KeyFileError(f"{path} exists; keys are never overwritten") from None
+        if not if_missing:
+            raise KeyFileError(f"{path} exists; keys are never overwritten") from None
+        public, key_id = public_key_path(path), Signer.from_file(path).key_id
     data = {"private_key": str(path), "public_key": str(public), "key_id": key_id}
     emit(
         data,

@@ -50,9 +50,10 @@ def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> Non
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host has (OpenVINO, devices, NPU libraries, targets) and which services answer."""
-    from farm.doctor import openvino_checks, service_checks
+    from farm.doctor import openvino_checks, service_checks, signing_check
 
-    checks = openvino_checks() + service_checks(get_settings())
+    settings = get_settings()
+    checks = [*openvino_checks(), signing_check(settings), *service_checks(settings)]
     rows = [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks]
 
     def human() -> None:

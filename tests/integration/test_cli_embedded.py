@@ -213,6 +213,12 @@ def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_tar
         library: (libs / library).exists()
         for library in ("libopenvino_intel_npu_plugin.so", NPU_COMPILER_LIBRARY)
     }
+    signing = next(c for c in farm_json(farm_home, "doctor") if c["check"] == "signing")
+    assert signing == {
+        "check": "signing",
+        "ok": True,
+        "detail": f"{farm_home.resolve()}/keys/signing.pem (created on the first compile)",
+    }
     human = farm(farm_home, "doctor")  # exit 0: every configured service answers
     text = human.stdout
     assert f"ok      openvino: {ov.get_version()}" in text

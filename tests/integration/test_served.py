@@ -199,6 +199,9 @@ def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):
             text = result.stderr + result.stdout
             assert message in text, (command, env, text)
             assert "Traceback" not in text
+    bad_key = served.farm("worker", check=False, env={"FARM_SIGNING_KEY": "/no/such/key.pem"})
+    assert bad_key.returncode == 5 and "FARM_SIGNING_KEY" in bad_key.stderr
+    assert len(bad_key.stderr.strip().splitlines()) == 1
     with served.sessions() as session:
         assert session.scalars(select(Job)).all() == []
 

@@ -35,7 +35,7 @@ def parse(args: list[str]) -> click.Context:
 
 def test_every_farm_service_runs_a_real_farm_command(services):
     farm_services = {name: s for name, s in services.items() if "build" in s}
-    assert set(farm_services) == {"migrate", "api", "worker", "reconciler"}
+    assert set(farm_services) == {"signing-key", "migrate", "api", "worker", "reconciler"}
     for name, service in farm_services.items():
         parse(service["command"])  # raises UsageError on an unknown command or option
         env = service["environment"]
@@ -49,6 +49,15 @@ def test_the_api_listens_on_every_interface_after_migrations(services):
     assert options["host"] == "0.0.0.0"
     assert api["ports"] == [f"{options['port']}:{options['port']}"]
     assert api["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+
+
+def test_workers_sign_with_the_key_made_once_before_them(services):
+    worker, maker = services["worker"], services["signing-key"]
+    key = parse(maker["command"]).params["path"]
+    assert parse(maker["command"]).params["if_missing"]  # a restart keeps the key
+    assert worker["environment"]["FARM_SIGNING_KEY"] == str(key)
+    assert worker["depends_on"]["signing-key"] == {"condition": "service_completed_successfully"}
+    assert "keys:/keys:ro" in worker["volumes"] and "keys:/keys" in maker["volumes"]
 
 
 def test_workers_offer_the_memory_of_their_container(services):
