@@ -247,21 +247,28 @@ def test_a_token_past_its_expiry_is_refused_with_token_expired(served, api):
 
     from tests.integration.served import wait_until
 
-    created = served.farm_json(
-        "token", "create", "--name", "ci-short", "--role", "submit", "--expires-in", "0.00006"
-    )  # 5.2 seconds
-    expires_at = datetime.fromisoformat(created["expires_at"])
-    assert timedelta(seconds=3) < expires_at - datetime.now(UTC) <= timedelta(seconds=5.2)
-    headers = {"Authorization": f"Bearer {created['token']}"}
-    with httpx.Client(base_url=api.url, headers=headers, timeout=30) as client:
-        assert client.get("/v1/jobs").status_code == 200  # valid until then
+    def create(name: str, *args: str) -> tuple[dict, httpx.Client]:
+        created = served.farm_json("token", "create", "--name", name, "--role", "submit", *args)
+        headers = {"Authorization": f"Bearer {created['token']}"}
+        return created, httpx.Client(base_url=api.url, headers=headers, timeout=30)
+
+    day, day_client = create("ci-day", "--expires-in", "1")
+    left = datetime.fromisoformat(day["expires_at"]) - datetime.now(UTC)
+    assert timedelta(hours=23) < left <= timedelta(days=1)
+    with day_client:
+        assert day_client.get("/v1/jobs").status_code == 200  # valid until then
+
+    before = datetime.now(UTC)
+    short, short_client = create("ci-short", "--expires-in", "0.00003")  # 2.6 seconds
+    assert datetime.fromisoformat(short["expires_at"]) - before <= timedelta(seconds=10)
+    with short_client:
         expired = wait_until(
-            lambda: (r := client.get("/v1/jobs")).status_code != 200 and r, 15, "the expiry"
+            lambda: (r := short_client.get("/v1/jobs")).status_code != 200 and r, 30, "expiry"
         )
     assert expired.status_code == 401 and expired.json()["code"] == "token_expired"
     assert "ci-short" in expired.json()["message"]
     listed = {t["name"]: t for t in served.farm_json("token", "list")}
-    assert listed["ci-short"]["state"] == "expired" and listed["test-admin"]["state"] == "valid"
+    assert listed["ci-short"]["state"] == "expired" and listed["ci-day"]["state"] == "valid"
     assert listed["test-admin"]["expires_at"] is None
 
     until = served.farm_json(
