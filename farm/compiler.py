@@ -22,7 +22,7 @@ import openvino as ov
 from openvino import opset13 as ops
 
 from farm.blobformat import read_header
-from farm.spec import KNOWN_TARGETS, SINGLE_INPUT, CompileSpec, Target, Toolchain
+from farm.spec import KNOWN_TARGETS, MAX_ELEMENTS, SINGLE_INPUT, CompileSpec, Target, Toolchain
 
 NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
 
@@ -69,16 +69,67 @@ def openvino_release() -> str:
 
 
 def read_model(core: ov.Core, files: Mapping[str, Path]) -> ov.Model:
+    name = files.get("xml") or files.get("onnx")
+    if "xml" in files:
+        _refuse_dtd(files["xml"])
     try:
         if "onnx" in files:
             # The ONNX frontend only: read_model would try every frontend on a bad file, and
             # the TensorFlow one prints its parse errors straight to the process's stderr.
             frontend = ov.frontend.FrontEndManager().load_by_framework("onnx")
-            return frontend.convert(frontend.load(str(files["onnx"])))
-        return core.read_model(str(files["xml"]), str(files["bin"]))
+            model = frontend.convert(frontend.load(str(files["onnx"])))
+        else:
+            model = core.read_model(str(files["xml"]), str(files["bin"]))
     except Exception as error:  # OpenVINO raises RuntimeError for every parse failure
-        name = files.get("xml") or files.get("onnx")
         raise ModelError(f"cannot read model {name}: {_last_line(error)}") from error
+    try:
+        for port in [*model.inputs, *model.outputs]:
+            port.get_names()
+    except UnicodeDecodeError:
+        raise ModelError(
+            f"cannot read model {name}: its input or output names are not UTF-8"
+        ) from None
+    if not model.outputs:
+        # The ONNX frontend turns an empty file into an empty model, which compiles.
+        raise ModelError(f"cannot read model {name}: it has no outputs (empty or not a model?)")
+    return model
+
+
+def _refuse_dtd(xml: Path) -> None:
+    """OpenVINO IR never declares a DTD. OpenVINO's parser (pugixml) does not expand entities,
+    but refusing DTDs keeps entity tricks (XXE, billion laughs) out of every tool that may read
+    a stored model later."""
+    overlap = b""
+    with open(xml, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            window = overlap + chunk
+            if b"<!DOCTYPE" in window or b"<!ENTITY" in window:
+                raise ModelError(
+                    f"cannot read model {xml}: it declares a DTD (<!DOCTYPE or <!ENTITY); "
+                    "OpenVINO IR has none, and farm refuses XML entities"
+                )
+            overlap = chunk[-8:]
+
+
+def check_input_sizes(model: ov.Model) -> None:
+    """Refuse inputs with a zero dimension (nothing to compute) or absurdly many elements (no
+    buffer could hold them): the compiler would fail late, or try to allocate exabytes."""
+    for port in model.inputs:
+        shape = port.get_partial_shape()
+        if shape.rank.is_dynamic:
+            continue
+        dims = [dim.get_length() for dim in shape if dim.is_static]
+        label = f"{port.get_any_name()}{shape}"
+        if 0 in dims:
+            raise ModelError(f"input {label} has a zero dimension; give its shape with --shape")
+        elements = 1
+        for dim in dims:
+            elements *= dim
+        if elements > MAX_ELEMENTS:
+            raise ModelError(
+                f"input {label} has {elements} elements, more than {MAX_ELEMENTS}; "
+                "give a smaller shape with --shape"
+            )
 
 
 def apply_shapes(model: ov.Model, spec: CompileSpec) -> None:
@@ -162,6 +213,7 @@ def compile_to_file(
     core = ov.Core()
     model = read_model(core, files)
     apply_shapes(model, spec)
+    check_input_sizes(model)
     if spec.target.is_npu:
         check_static(model, spec.target)
     props = compile_properties(spec)
@@ -229,6 +281,7 @@ def check_model(files: Mapping[str, Path], spec: CompileSpec) -> list[str]:
     """
     model = read_model(ov.Core(), files)
     apply_shapes(model, spec)
+    check_input_sizes(model)
     if spec.target.is_npu:
         check_static(model, spec.target)
     return [f"{port.get_any_name()}{port.get_partial_shape()}" for port in model.inputs]
