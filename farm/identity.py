@@ -43,7 +43,9 @@ class ModelRef:
         """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
         files = hashing.model_files(path)
         identity = {role: digests(file, progress) for role, file in sorted(files.items())}
-        return cls(files, identity, Path(path).name)
+        # The name is only a label; one that is not UTF-8 keeps its readable part.
+        name = Path(path).name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        return cls(files, identity, name)
 
     @property
     def size_bytes(self) -> int:

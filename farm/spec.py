@@ -403,7 +403,9 @@ def _check_dims(text: str, name: str, dims: Iterable[Any]) -> tuple[int, ...]:
 
 
 def _check_input_name(name: str) -> None:
-    if len(name) > 256 or any(ord(ch) < 32 for ch in name):
+    # Printable: no control characters, and no lone surrogates (a name that was not UTF-8),
+    # which the canonical JSON of the cache key could not encode.
+    if len(name) > 256 or not name.isprintable():
         raise SpecError(f"input name {name[:40]!r} is not a usable input name")
 
 

@@ -53,6 +53,8 @@ def create_token(session: Session, name: str, role: str, expires_at: datetime | 
         raise TokenError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
     if not name or len(name) > 128:
         raise TokenError("a token needs a name of 1 to 128 characters")
+    if not name.isprintable():
+        raise TokenError(f"token name {name!r} has control characters or is not UTF-8")
     created_at = now()
     if expires_at is not None:
         if expires_at.tzinfo is None:
@@ -79,8 +81,10 @@ def create_token(session: Session, name: str, role: str, expires_at: datetime | 
 
 def revoke_token(session: Session, name: str) -> datetime:
     """Revoke the token `name` (again: no change); returns when it was revoked."""
-    row = session.scalar(select(ApiToken).where(ApiToken.name == name))
-    if row is None:
+    # No token has a name that is not printable (create_token); such a name cannot even be
+    # sent to the database when it is not UTF-8.
+    row = name.isprintable() and session.scalar(select(ApiToken).where(ApiToken.name == name))
+    if not row:
         raise NotFound(f"no token named {name!r}")
     row.revoked_at = row.revoked_at or now()
     session.commit()

@@ -9,16 +9,35 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 
 def _no_nul(value: str) -> str:
-    # PostgreSQL text cannot hold NUL; refuse it here as bad input rather than fail at INSERT.
+    # PostgreSQL text cannot hold NUL, and no database UTF-8 holds a lone surrogate (JSON's
+    # "\udcff"): refuse both here as bad input rather than fail at INSERT.
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable: no control characters")
+    return value
+
+
+def _file_name(value: str) -> str:
+    if "/" in value or "\\" in value or value in (".", ".."):
+        raise ValueError("must be a file name, not a path")
     return value
 
 
 Text = Annotated[str, AfterValidator(_no_nul)]
 """Any text that may reach the database."""
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Name = Annotated[Text, StringConstraints(min_length=1, max_length=256)]
+Name = Annotated[Text, StringConstraints(min_length=1, max_length=256), AfterValidator(_printable)]
+"""A name people read in listings and terminals."""
+FileName = Annotated[Name, AfterValidator(_file_name)]
 
 
 class Strict(BaseModel):
@@ -67,7 +86,7 @@ class SubmissionRequest(Strict):
     model: dict[Literal["xml", "bin", "onnx"], Sha256] = Field(
         description="sha256 of each model file by role: {xml, bin} or {onnx}."
     )
-    model_name: Name
+    model_name: FileName
     specs: list[SpecIn] = Field(min_length=1, description="One job per spec (a matrix).")
     toolchain: ToolchainIn = Field(description="The toolchain the edge will import with.")
 
