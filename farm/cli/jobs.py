@@ -37,11 +37,18 @@ from farm.spec import CompileSpec, SpecError
 
 def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
     """The spec flags as a matrix: `--device 3720,4000 --batch 1,4` gives four specs."""
+    from farm.config import get_settings
+
     devices = _split(options["device"])
-    tiles = (
-        [int(t) if t else None for t in _split(options["tiles"])] if options["tiles"] else [None]
-    )
-    batches = [int(b) for b in _split(options["batch"])] if options["batch"] else [None]
+    try:
+        tiles = [int(t) for t in _split(options["tiles"])] or [None]
+        batches = [int(b) for b in _split(options["batch"])] or [None]
+    except ValueError as error:
+        raise SpecError(f"--tiles and --batch take integers: {error}") from None
+    # Each spec is a compile; the API has the same limit (HTTP 422 matrix_too_large).
+    count, limit = len(devices) * len(tiles) * len(batches), get_settings().max_matrix
+    if count > limit:
+        raise SpecError(f"{count} specs is over the limit of {limit} (FARM_MAX_MATRIX)")
     try:
         return [
             CompileSpec.create(
@@ -208,6 +215,9 @@ def jobs(
     """List jobs, newest first."""
     from rich.table import Table
 
+    for flag, value in (("--model", model), ("--submitter", submitter)):
+        if value is not None and not value.isprintable():
+            raise SpecError(f"{flag} {value!r} has control characters or is not UTF-8")
     rows = backend().jobs(
         state=state,
         target=target,
