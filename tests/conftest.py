@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,12 @@ def service_missing(what: str, error: Exception) -> None:
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this test, dropped afterwards."""
+    with fresh_postgres_url() as url:
+        yield url
+
+
+@contextmanager
+def fresh_postgres_url() -> Iterator[str]:
     import psycopg
     from sqlalchemy.engine import make_url
 
@@ -84,6 +92,12 @@ def s3_store(s3_url):
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """A Redis database number of its own, flushed before and after."""
+    with fresh_redis_url() as url:
+        yield url
+
+
+@contextmanager
+def fresh_redis_url() -> Iterator[str]:
     import redis
 
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
@@ -104,6 +118,10 @@ def redis_url() -> Iterator[str]:
 def served_env(tmp_path, postgres_url, redis_url, s3_url, s3_store) -> dict[str, str]:
     """Environment of a served farm with its own database, Redis db number and bucket prefix,
     and a signing key its workers sign with and its edges trust."""
+    return served_environment(tmp_path, postgres_url, redis_url, s3_url)
+
+
+def served_environment(tmp_path: Path, postgres_url: str, redis_url: str, s3_url: str) -> dict:
     from farm.signing import create_key_pair
 
     signing_key = tmp_path / "keys" / "worker.pem"
