@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from farm import hashing
 from farm.spec import CompileSpec, Toolchain
+from tests.strategies import model_identities, respellings, specs
 
 RR = "meta=1.0;ov=2026.4.1;isa=Intel AVX-512 with Intel DL Boost"
 TOOLCHAIN = Toolchain("2026.4.1", runtime_requirements=RR)
@@ -104,6 +107,31 @@ def test_everything_that_changes_the_blob_changes_the_key():
     assert len({base, *changed}) == len(changed) + 1
     cpu = key()
     assert cpu != key(toolchain=Toolchain("2026.4.1", runtime_requirements=RR.replace("512", "2")))
+
+
+# --- properties: equal specs give one key, different ones different keys -------------------
+
+
+@given(st.data())
+def test_every_spelling_of_a_spec_gives_its_key(data):
+    spec = data.draw(specs())
+    device, kwargs = data.draw(respellings(spec))
+    again = CompileSpec.create(device, **kwargs)
+    assert again == spec
+    assert key(spec=again) == key(spec=spec)
+
+
+@given(specs(), specs())
+def test_different_specs_give_different_keys(a, b):
+    assume(a != b)
+    assert key(spec=a) != key(spec=b)
+
+
+@given(model_identities, model_identities, specs(), st.sampled_from(["2026.4.1", "2026.4.2"]))
+def test_different_models_or_toolchains_give_different_keys(model_a, model_b, spec, openvino):
+    toolchain = Toolchain(openvino, runtime_requirements=RR)
+    same = model_a == model_b and openvino == TOOLCHAIN.openvino
+    assert (key(model_a, spec) == key(model_b, spec, toolchain)) is same
 
 
 def test_npu_key_ignores_cpu_runtime_requirements():

@@ -7,9 +7,9 @@ import re
 
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
-from farm.spec import KNOWN_TARGETS, MAX_TILES, CompileSpec, SpecError, Target, Toolchain
+from farm.spec import MAX_TILES, CompileSpec, SpecError, Target, Toolchain
+from tests.strategies import specs
 
 
 @pytest.mark.parametrize(
@@ -175,49 +175,6 @@ def test_from_canonical_rejects_unknown_fields():
 
 
 # --- properties: parse(render(x)) == x, and the canonical form is stable ------------------
-
-names = st.sampled_from(["x", "image", "input_ids", "a.b:0"])
-dims = st.lists(st.integers(1, 64), min_size=1, max_size=4)
-
-
-@st.composite
-def specs(draw) -> CompileSpec:
-    target = Target.parse(draw(st.sampled_from(KNOWN_TARGETS)))
-    kwargs: dict = {"weightless": draw(st.booleans())}
-    if draw(st.booleans()):
-        kwargs["performance_hint"] = draw(st.sampled_from(["latency", "THROUGHPUT"]))
-    if target.is_npu:
-        kwargs["tiles"] = draw(st.none() | st.integers(1, target.max_tiles))
-        kwargs["compiler_params"] = draw(
-            st.dictionaries(
-                st.sampled_from(["optimization-level", "performance-hint-override"]),
-                st.just("1"),
-                max_size=1,
-            ).map(lambda d: {k: "latency" if "hint" in k else v for k, v in d.items()})
-        )
-        kwargs["config"] = draw(
-            st.dictionaries(
-                st.sampled_from(["NPU_TURBO", "NPU_QDQ_OPTIMIZATION"]),
-                st.sampled_from(["YES", "NO"]),
-                max_size=2,
-            )
-        )
-    else:
-        kwargs["config"] = draw(
-            st.dictionaries(
-                st.sampled_from(["NUM_STREAMS", "PERFORMANCE_HINT_NUM_REQUESTS"]),
-                st.integers(1, 8).map(str),
-                max_size=2,
-            )
-        )
-    if draw(st.booleans()):
-        kwargs["shapes"] = draw(st.dictionaries(names, dims, min_size=1, max_size=3))
-    elif draw(st.booleans()):
-        kwargs["batch"] = draw(st.integers(1, 64))
-        kwargs["layout"] = draw(
-            st.dictionaries(names, st.sampled_from(["NCHW", "NC", "N...", "?N"]), max_size=2)
-        )
-    return CompileSpec.create(target, **kwargs)
 
 
 def cli_to_kwargs(args: list[str]) -> tuple[str, dict]:
