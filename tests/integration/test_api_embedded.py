@@ -37,6 +37,7 @@ def test_embedded_api_compiles_and_streams_ranges(tmp_path):
             "FARM_API_URL": server.url,
             "FARM_TOKEN": token,
             "FARM_HOME": str(tmp_path / "elsewhere"),
+            "FARM_TRUSTED_KEYS": str(tmp_path / "home" / "keys" / "signing.pem.pub"),
         }
         xml = models.save_ir(models.conv_net(), tmp_path / "m" / "m.xml")
         answer = json.loads(
