@@ -8,7 +8,10 @@ the blob row and `succeeded` are written in one transaction after the blob is st
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import resource
 import shutil
 import socket
 import tempfile
@@ -21,6 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.db.models import Blob, Job, Model
+from farm.errors import WorkDiskFull
 from farm.service import blob_storage_key, model_storage_key, now
 from farm.signing import Signer
 from farm.spec import CompileSpec, Target, Toolchain
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+"""A write refused for want of room: disk full, file size limit (ulimit -f), quota."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,9 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer):
     from farm.sandbox import CompileCancelled, CompileTimeout, compile_in_child
 
     spec = CompileSpec.from_canonical(job.target, job.spec)
-    files = _fetch_model(store, model_row, work_dir)
+    with _work_disk(work_dir):
+        files = _fetch_model(store, model_row, work_dir)
+        _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     try:
         result, output = compile_in_child(
             files,
@@ -141,6 +149,40 @@ def _fetch_model(store: BlobStore, model_row: Model, work_dir: Path) -> dict[str
             store.get_file(key, local)
         files[role] = local
     return files
+
+
+@contextlib.contextmanager
+def _work_disk(work_dir: Path):
+    """A write refused for want of room in the work dir becomes WorkDiskFull, naming it."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise WorkDiskFull(_no_room(work_dir, str(error))) from error
+
+
+def _ensure_room(work_dir: Path, needed: int) -> None:
+    """Refuse to compile when the blob cannot be written: OpenVINO drops a failed blob write
+    without a word (the compile "wrote no blob"), after a compile that may take hours.
+
+    Note: `needed` is an estimate, the model's size (a weightful blob holds the weights).
+    """
+    free = shutil.disk_usage(work_dir).free
+    if free < needed:
+        why = f"the blob needs about {needed} bytes and {free} are free"
+        raise WorkDiskFull(_no_room(work_dir, why))
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        why = f"the blob needs about {needed} bytes, over this worker's file size limit {limit}"
+        raise WorkDiskFull(_no_room(work_dir, f"{why} (ulimit -f)"))
+
+
+def _no_room(work_dir: Path, why: str) -> str:
+    return (
+        f"no room to compile in the worker's temporary directory {work_dir.parent} (TMPDIR): "
+        f"{why}; free space there or point TMPDIR at a bigger disk"
+    )
 
 
 def _check_toolchain(job: Job, produced: Toolchain, target: Target) -> None:

@@ -9,6 +9,7 @@ import socket
 from celery import shared_task
 from sqlalchemy.exc import OperationalError
 
+from farm.errors import WorkDiskFull
 from farm.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -16,7 +17,13 @@ log = logging.getLogger(__name__)
 WORKER_NAME_ENV = "FARM_WORKER_NAME"
 """Set by `farm worker` so jobs.worker matches the workers table (pool processes inherit it)."""
 
-INFRASTRUCTURE_ERRORS = (StorageError, OperationalError, ConnectionError, TimeoutError)
+INFRASTRUCTURE_ERRORS = (
+    StorageError,
+    OperationalError,
+    ConnectionError,
+    TimeoutError,
+    WorkDiskFull,
+)
 
 
 @shared_task(

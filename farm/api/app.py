@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from farm.config import Settings, get_settings
@@ -20,6 +21,9 @@ from farm.local import LocalFarm
 from farm.tokens import Caller, TokenExpired, authenticate
 
 log = logging.getLogger(__name__)
+
+DATABASE_RETRY_AFTER_SECONDS = 5
+"""Retry-After of a 503 answered while the database is unreachable."""
 
 
 class ApiError(Exception):
@@ -176,6 +180,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(
             error.status_code, codes.get(error.status_code, "http_error"), str(error.detail)
         )
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(_: Request, error: OperationalError) -> JSONResponse:
+        # The database is down or restarting (connection refused or lost): a 503 the client
+        # may retry, not a 500. Retrying a submission is safe: single flight answers with the
+        # job a first try may have recorded.
+        first = (str(error.orig or error).strip().splitlines() or [""])[0]
+        log.warning("database unavailable: %s", first)
+        response = _error(
+            503,
+            "database_unavailable",
+            "the farm's database is unavailable (restarting or down); try again shortly",
+        )
+        response.headers["Retry-After"] = str(DATABASE_RETRY_AFTER_SECONDS)
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, error: Exception) -> JSONResponse:

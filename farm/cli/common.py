@@ -72,6 +72,7 @@ _EXIT_CODES = {
     "farm.signing.SignatureError": EXIT_INFRASTRUCTURE,
     "farm.signing.KeyFileError": EXIT_BAD_INPUT,
     "farm.errors.IntegrityMismatch": EXIT_INFRASTRUCTURE,
+    "farm.errors.WorkDiskFull": EXIT_INFRASTRUCTURE,
     "farm.storage.StorageError": EXIT_INFRASTRUCTURE,
     "farm.doctor.ServiceUnavailable": EXIT_INFRASTRUCTURE,
     "sqlalchemy.exc.OperationalError": EXIT_INFRASTRUCTURE,

@@ -1,12 +1,17 @@
-"""Fault injection helpers: a private Redis we may restart, a TCP proxy we may cut."""
+"""Fault injection helpers: a private Redis and PostgreSQL we may stop, a TCP proxy we may cut,
+a tiny temporary disk for a worker."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 
@@ -64,17 +69,105 @@ class PrivateRedis:
             self.process = None
 
 
+class PrivatePostgres:
+    """A PostgreSQL cluster of our own (initdb, trust auth) on its own loopback port, stopped
+    with `pg_ctl -m immediate` (a crash: no shutdown checkpoint, recovery on the next start).
+    Never the machine's shared server.
+
+    The data lives in a directory of its own under /tmp, not in pytest's tmp_path: as root the
+    server runs as the `postgres` user, which cannot enter pytest's 0700 directories.
+    """
+
+    def __init__(self) -> None:
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=_version)
+        initdb = str(found[-1]) if found else shutil.which("initdb")
+        if initdb is None:
+            raise RuntimeError("no PostgreSQL server binaries (install postgresql)")
+        self.bin = Path(initdb).parent
+        self.directory = Path(tempfile.mkdtemp(prefix="farm-test-pg-"))
+        self.data = self.directory / "data"
+        self.port = free_port()
+        self.as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_postgres:
+            shutil.chown(self.directory, "postgres")
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-N")
+
+    @property
+    def admin_url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def create_database(self) -> str:
+        """A fresh database in this cluster; its SQLAlchemy URL."""
+        import psycopg
+
+        name = f"farm_{uuid.uuid4().hex[:12]}"
+        conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+        with psycopg.connect(conninfo, autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = str(self.directory / "postgres.log")
+        self._run("pg_ctl", "-D", str(self.data), "-l", log, "-w", "-o", options, "start")
+
+    def stop(self) -> None:
+        """Like a crash: every server process quits at once, nothing is flushed."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def remove(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _run(self, program: str, *args: str) -> None:
+        subprocess.run(
+            [*self.as_postgres, str(self.bin / program), *args],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+
+def _version(initdb: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in initdb.parent.parent.name.split(".") if part.isdigit())
+
+
+def tiny_disk_command(directory: Path, size_bytes: int) -> tuple[list[str], str]:
+    """A command prefix that runs a program with `directory` on a disk of `size_bytes`.
+
+    A tmpfs of that size mounted in a mount namespace of the program's own (it vanishes with
+    the program, and nobody else sees it) when this machine allows that (root with
+    CAP_SYS_ADMIN); otherwise RLIMIT_FSIZE (`prlimit --fsize`), under which any file the
+    program writes past that size fails with EFBIG (Python ignores SIGXFSZ). Returns the
+    prefix and which of the two it is.
+    """
+    mount = f'mount -t tmpfs -o size={size_bytes} farm-tiny-disk "$0" && exec "$@"'
+    namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+    probe = subprocess.run(
+        [*namespace, str(directory), "true"], capture_output=True, timeout=30, check=False
+    )
+    if probe.returncode == 0:
+        return [*namespace, str(directory)], "tmpfs"
+    return ["prlimit", f"--fsize={size_bytes}", "--"], "RLIMIT_FSIZE"
+
+
 class TcpProxy:
     """Forwards a loopback port to a target; `cut()` closes every connection and the port.
 
     With `cut_once_after`, the first connection that has carried that many bytes back to its
-    client is broken off mid-stream (a dropped download); later connections pass whole.
+    client is broken off mid-stream (a dropped download); later connections pass whole. With
+    `down_after`, the first connection to carry that many bytes back takes the whole proxy
+    down with it (as `cut()`: the service is unreachable) until `start()` is called again.
     `sent` keeps what clients sent, to check what they asked for after the cut.
     """
 
-    def __init__(self, target_port: int, cut_once_after: int | None = None) -> None:
+    def __init__(
+        self, target_port: int, cut_once_after: int | None = None, down_after: int | None = None
+    ) -> None:
         self.target_port = target_port
         self.cut_once_after = cut_once_after
+        self.down_after = down_after
         self.cuts = 0
         self.sent = bytearray()
         self.port = free_port()
@@ -129,6 +222,9 @@ class TcpProxy:
                     for end in (source, sink):
                         end.shutdown(socket.SHUT_RDWR)
                     return
+                if back and self._should_go_down(carried):
+                    self.cut()
+                    return
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
 
@@ -136,5 +232,13 @@ class TcpProxy:
         with self._lock:
             if self.cut_once_after is None or self.cuts or carried < self.cut_once_after:
                 return False
+            self.cuts += 1
+            return True
+
+    def _should_go_down(self, carried: int) -> bool:
+        with self._lock:
+            if self.down_after is None or carried < self.down_after:
+                return False
+            self.down_after = None
             self.cuts += 1
             return True

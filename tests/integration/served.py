@@ -70,10 +70,11 @@ class ServedFarm:
     def farm_json(self, *args: str, **kwargs) -> dict:
         return json.loads(self.farm(*args, "--json", **kwargs).stdout)
 
-    def start_worker(self, name: str = "w1", env: dict | None = None, wait: bool = True):
+    def start_worker(self, name: str = "w1", env: dict | None = None, wait: bool = True, prefix=()):
+        """`prefix`: a command that execs the worker (so its pid is the worker's)."""
         with open(self.logs / f"{name}.log", "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "farm", "worker", "-n", name],
+                [*prefix, sys.executable, "-m", "farm", "worker", "-n", name],
                 env={**os.environ, **self.env, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
