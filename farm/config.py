@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     """Requests one token may make per minute (per API process)."""
     max_upload_bytes: int = 64 * 2**30
     """Largest model file the API accepts."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body the API accepts on any route but the model upload."""
     max_matrix: int = 64
     """Most jobs one submission may ask for."""
     presign_seconds: int = 3600

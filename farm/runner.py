@@ -142,11 +142,14 @@ def _fetch_model(store: BlobStore, model_row: Model, work_dir: Path) -> dict[str
     suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
     files = {}
     for role, sha in model_row.files.items():
-        key = model_storage_key(sha)
-        local = store.local_path(key)
-        if local is None:
-            local = work_dir / f"model{suffix[role]}"
+        key, local = model_storage_key(sha), work_dir / f"model{suffix[role]}"
+        stored = store.local_path(key)
+        if stored is None:
             store.get_file(key, local)
+        else:
+            # A link, not the store's own path: a model may name files relative to itself
+            # (ONNX external data), and beside it must be its own folder, not other models.
+            local.symlink_to(stored)
         files[role] = local
     return files
 

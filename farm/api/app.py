@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from farm.api.limits import BodyLimit
 from farm.config import Settings, get_settings
 from farm.local import LocalFarm
 from farm.tokens import Caller, TokenExpired, authenticate
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         responses={401: {"model": _error_model()}, 422: {"model": _error_model()}},
     )
     app.state.limiter = RateLimiter(settings.api_requests_per_minute)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     _install_error_handlers(app)
     from farm.api import dashboard, metrics
     from farm.api.routes import router

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
 from farm.db.models import Blob, Job, Pull
 from tests import models
@@ -420,7 +421,12 @@ def test_limits_refuse_clearly(served, tmp_path):
     from farm.tokens import create_token
     from tests.integration.served import ApiServer
 
-    env = {**served.env, "FARM_MAX_UPLOAD_BYTES": "10", "FARM_API_REQUESTS_PER_MINUTE": "3"}
+    env = {
+        **served.env,
+        "FARM_MAX_UPLOAD_BYTES": "10",
+        "FARM_API_REQUESTS_PER_MINUTE": "3",
+        "FARM_MAX_REQUEST_BYTES": "2000",
+    }
     server = ApiServer(env, tmp_path / "limited.log").start()
     try:
         with served.sessions() as session:
@@ -432,6 +438,21 @@ def test_limits_refuse_clearly(served, tmp_path):
             headers={"Content-Type": "application/octet-stream"},
         )
         assert big.status_code == 413 and big.json()["code"] == "too_large"
+        # Any other body is capped too, declared or streamed without a Content-Length.
+        huge_json = {"model": {"onnx": ZERO_KEY}, "model_name": "x" * 3000, "specs": []}
+        declared = client.post("/v1/submissions", json=huge_json)
+        assert (
+            declared.status_code == 413 and "FARM_MAX_REQUEST_BYTES" in declared.json()["message"]
+        )
+        streamed = client.post(
+            "/v1/submissions",
+            content=iter([b'{"model_name": "', b"x" * 1500, b"x" * 1500, b'"}']),
+            headers={"Content-Type": "application/json"},
+        )
+        assert streamed.status_code == 413 and streamed.json()["code"] == "too_large"
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        with served.sessions() as session:
+            assert session.scalar(select(func.count()).select_from(Job)) == 0
         statuses = [client.get("/v1/jobs").status_code for _ in range(4)]
         assert statuses[-1] == 429 and client.get("/v1/jobs").json()["code"] == "rate_limited"
         client.close()
