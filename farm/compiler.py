@@ -191,6 +191,10 @@ def compile_properties(spec: CompileSpec) -> dict[str, str]:
             props["NPU_TILES"] = str(spec.tiles)
         if spec.compiler_params:
             props["NPU_COMPILATION_MODE_PARAMS"] = spec.canonical()["compiler_params"]
+        if spec.batch is not None:
+            # The model is reshaped to this batch: compile it at that batch, rather than let
+            # AUTO decide by what the host's driver supports (--config NPU_BATCH_MODE wins).
+            props["NPU_BATCH_MODE"] = "COMPILER"
     if spec.performance_hint:
         props["PERFORMANCE_HINT"] = spec.performance_hint
     if spec.weightless:

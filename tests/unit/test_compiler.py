@@ -186,6 +186,16 @@ def test_npu_properties_are_built_from_the_spec():
     }
 
 
+def test_a_batched_npu_spec_is_compiled_at_its_batch_unless_told_otherwise():
+    batched = CompileSpec.create("3720", batch=4, layout=["x:NCHW"])
+    assert compiler.compile_properties(batched)["NPU_BATCH_MODE"] == "COMPILER"
+    plugin = CompileSpec.create(
+        "3720", batch=4, layout=["x:NCHW"], config=["NPU_BATCH_MODE=PLUGIN"]
+    )
+    assert compiler.compile_properties(plugin)["NPU_BATCH_MODE"] == "PLUGIN"
+    assert "NPU_BATCH_MODE" not in compiler.compile_properties(CompileSpec.create("3720"))
+
+
 def test_cpu_properties_carry_no_npu_keys():
     spec = CompileSpec.create("CPU", performance_hint="latency")
     assert compiler.compile_properties(spec) == {"PERFORMANCE_HINT": "LATENCY"}
