@@ -73,12 +73,16 @@ def compile_model(
     The returned model keeps its memory-mapped blob (and cache lease) alive as long as it lives.
     """
     from farm.compiler import host_toolchain
+    from farm.digests import DigestCache
     from farm.errors import NotFound
     from farm.identity import ModelRef, key_for
     from farm.spec import CompileSpec
 
     compile_spec = CompileSpec.create(device, **spec)
-    ref = ModelRef.from_path(model_path)
+    # Digests through the cache `farm submit` and `farm pull MODEL` use (path, size, mtime):
+    # hashing a 512 MB .bin on every start took as long as importing the blob (bench/edge.py).
+    digests = DigestCache(get_settings().cache_dir / "digests.json")
+    ref = ModelRef.from_path(model_path, digests=digests.sha256)
     key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target))
     owned = agent is None
     agent = agent or agent_from_settings()

@@ -46,7 +46,9 @@ class DiskFull(OSError):
 class BlobSource(Protocol):
     def resolve(self, cache_key: str) -> dict | None: ...
 
-    def download(self, cache_key: str, dest: Path, progress: Progress = None) -> None: ...
+    def download(self, cache_key: str, dest: Path, progress: Progress = None) -> str | None:
+        """Append the blob to `dest`; the sha256 of all of `dest` when computed on the way
+        (None: the agent reads the file again to hash it)."""
 
     def report_pull(
         self,
@@ -150,8 +152,8 @@ class EdgeAgent:
             return Fetched(cache_key, cached, blob, downloaded=False)
         partial = self.cache.partial_path(cache_key)
         self._ensure_room(blob["size_bytes"] - _size(partial))
-        self._download(cache_key, partial, blob["size_bytes"], progress)
-        actual = hashing.sha256_file(partial)
+        digest = self._download(cache_key, partial, blob["size_bytes"], progress)
+        actual = digest or hashing.sha256_file(partial)
         if actual != blob["sha256"]:
             partial.unlink(missing_ok=True)
             raise IntegrityMismatch(
@@ -195,7 +197,8 @@ class EdgeAgent:
     def _report(self, cache_key: str, ok: bool, **details: Any) -> None:
         self.source.report_pull(cache_key, self.agent_id, ok, **details)
 
-    def _download(self, cache_key: str, partial: Path, size: int, progress: Progress) -> None:
+    def _download(self, cache_key: str, partial: Path, size: int, progress: Progress) -> str | None:
+        """Download with retries; the sha256 of the file if the source computed it."""
         from farm.client import ApiError
 
         if _size(partial) > size:
@@ -203,7 +206,7 @@ class EdgeAgent:
         pause = RETRY_BACKOFF_SECONDS
         for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
             try:
-                self.source.download(cache_key, partial, progress)
+                digest = self.source.download(cache_key, partial, progress)
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise
@@ -219,7 +222,7 @@ class EdgeAgent:
                 pause *= 2
                 continue
             if _size(partial) >= size:
-                return
+                return digest
         raise IntegrityMismatch(
             f"download of {cache_key} kept ending early ({_size(partial)} of {size} bytes)"
         )
