@@ -117,7 +117,7 @@ def pull(
         entry = write_cache_entry(fetched.path, into_cache_dir, key, for_model)
         data["cache_entry"] = str(entry)
     if do_import:
-        imported = agent.load(key, weights=weights or model_bin)
+        imported = agent.load(key, weights=weights or model_bin, blob=blob)
         data["import_seconds"] = imported.import_seconds
     elif fetched.downloaded:
         agent.report_download(key)

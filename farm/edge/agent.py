@@ -162,11 +162,17 @@ class EdgeAgent:
             )
         return Fetched(cache_key, self.cache.put(cache_key, partial), blob, downloaded=True)
 
-    def load(self, cache_key: str, device: str | None = None, weights: Path | None = None):
+    def load(
+        self,
+        cache_key: str,
+        device: str | None = None,
+        weights: Path | None = None,
+        blob: dict | None = None,
+    ):
         """Fetch, import from a memory map, report the pull: an `ImportedBlob`."""
         from .importer import import_blob
 
-        fetched = self.fetch(cache_key)
+        fetched = self.fetch(cache_key, blob=blob)
         blob = fetched.blob
         device = device or Target.parse(blob["target"]).device
         try:

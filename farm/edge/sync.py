@@ -81,7 +81,7 @@ def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -
             key = key_for(ref.identity, entry.spec, host_toolchain(entry.spec.target))
             fetched = agent.fetch(key)
             if do_import:
-                agent.load(key, weights=ref.files.get("bin"))
+                agent.load(key, weights=ref.files.get("bin"), blob=fetched.blob)
             elif fetched.downloaded:
                 agent.report_download(key)
             results.append(SyncResult(label, summary, "ready", key, downloaded=fetched.downloaded))
