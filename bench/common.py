@@ -152,12 +152,16 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
 
 @contextlib.contextmanager
 def scratch(name: str) -> Iterator[Path]:
-    """A temporary folder under /tmp, removed afterwards whatever happens."""
+    """A temporary folder under /tmp, removed afterwards whatever happens (kept with
+    FARM_BENCH_KEEP=1, to read the worker and API logs)."""
     path = Path(tempfile.mkdtemp(prefix=f"farm-bench-{name}-", dir="/tmp"))
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get("FARM_BENCH_KEEP"):
+            log(f"kept {path} (FARM_BENCH_KEEP): logs/ has the worker and API logs")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
