@@ -1,0 +1,361 @@
+"""Farm overhead by phase (issue 7, target 1): submit -> succeeded for a 512 MB CPU model
+through the full served stack (API, Redis, one `farm worker`, PostgreSQL, SeaweedFS).
+
+Each run builds a new model (so it is uploaded and compiled for real) and goes the way
+`farm submit` goes over HTTP: hash, check, submit (409 model_missing), upload the files,
+submit again (queued). The worker is watched from outside (`bench.observe`): its job folder
+gives the fetch, compile-child and upload boundaries; the job row gives queue wait, compile
+and export times. The same run measures the baselines: raw boto3 transfers of the same bytes
+(upload of the .bin, download of the stored model, upload of the blob) and the direct
+compile in one process (`compile_to_file`, OpenVINO writing the blob through CACHE_DIR).
+A second spec of the same model then shows whether the worker fetches the model again.
+
+Targets: queue wait + record <= 0.5 s; each transfer >= 80 % of raw boto3; a second spec does
+not fetch the model again; compile + export <= 1.1x the direct compile.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+from sqlalchemy import select
+
+from farm import compiler
+from farm.client import ApiError, FarmClient
+from farm.db.models import Job
+from farm.identity import ModelRef
+from farm.service import blob_storage_key, model_storage_key
+from farm.spec import CompileSpec
+
+from .common import (
+    MB,
+    RUNS,
+    build_large_model,
+    child_env,
+    comparison,
+    log,
+    probe,
+    ratio,
+    scratch,
+    stats,
+    target,
+    write_result,
+)
+from .observe import WorkDirWatcher, timestamp
+from .stack import served_stack
+
+NAME = "overhead"
+MODEL_MB = 512
+POLL_SECONDS = 0.005
+
+
+def s3_client(stack):
+    return boto3.client(
+        "s3",
+        endpoint_url=stack.env["FARM_S3_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id=stack.env["FARM_S3_ACCESS_KEY_ID"],
+        aws_secret_access_key=stack.env["FARM_S3_SECRET_ACCESS_KEY"],
+    )
+
+
+def timed(function, *args, **kwargs) -> tuple[float, object]:
+    started = time.perf_counter()
+    value = function(*args, **kwargs)
+    return time.perf_counter() - started, value
+
+
+def body_for(ref: ModelRef, spec: CompileSpec) -> dict:
+    toolchain = compiler.host_toolchain(spec.target)
+    return {
+        "model": ref.identity,
+        "name": ref.name,
+        "specs": [{"target": spec.target.name, **spec.canonical()}],
+        "toolchain": {
+            "openvino": toolchain.openvino,
+            "runtime_requirements": toolchain.runtime_requirements,
+        },
+    }
+
+
+def wait_final(farm, job_id: int, timeout: float = 900):
+    """Poll the job row every POLL_SECONDS: the row in its final state and when that state
+    became visible (the commit of the worker's record transaction)."""
+    deadline = time.monotonic() + timeout
+    with farm.engine.connect() as connection:
+        while time.monotonic() < deadline:
+            state = connection.execute(select(Job.state).where(Job.id == job_id)).scalar()
+            connection.rollback()  # a new snapshot for the next read
+            if state in ("succeeded", "failed", "cancelled"):
+                return farm.job(job_id), time.time()
+            time.sleep(POLL_SECONDS)
+    raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
+
+
+def main() -> dict:
+    with scratch(NAME) as root:
+        worker_tmp = root / "worker-tmp"
+        worker_tmp.mkdir()
+        with served_stack(root) as stack:
+            stack.farm.start_worker("w1", env={"TMPDIR": str(worker_tmp)})
+            with WorkDirWatcher(worker_tmp) as watcher:
+                runs = []
+                for run in range(RUNS):
+                    log(f"run {run + 1}/{RUNS}: building a {MODEL_MB} MB model")
+                    model_dir = root / f"model-{run}"
+                    xml = build_large_model(model_dir, MODEL_MB, seed=100 + run)
+                    runs.append(one_run(root, stack, watcher, xml))
+                    log(f"  {json.dumps({k: round(v, 3) for k, v in runs[-1]['phases'].items()})}")
+                    shutil.rmtree(model_dir)
+            return summarize(runs)
+
+
+def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
+    s3 = s3_client(stack)
+    spec = CompileSpec.create("CPU")
+    client = FarmClient(stack.api.url, stack.tokens["submit"])
+    started = time.time()
+    hash_s, ref = timed(ModelRef.from_path, xml)
+    check_s, _ = timed(compiler.check_model, ref.files, spec)
+    body = body_for(ref, spec)
+    upload_s = 0.0
+    asked = time.perf_counter()
+    try:
+        client.submit(**body)
+        raise RuntimeError("a new model was not refused with model_missing")
+    except ApiError as error:
+        assert error.code == "model_missing", error
+    first_submit_s = time.perf_counter() - asked
+    missing = set(client.missing(sorted(set(ref.identity.values()))))
+    uploaded = 0
+    for role, sha in ref.identity.items():
+        if sha in missing:
+            elapsed, _ = timed(client.upload, sha, ref.files[role])
+            upload_s += elapsed
+            uploaded += ref.files[role].stat().st_size
+    submit_s, answer = timed(client.submit, **body)
+    result = answer["results"][0]
+    assert result["outcome"] == "queued", result
+    job, visible = wait_final(stack.farm, result["job"]["id"])
+    assert job.state == "succeeded", job.error
+    folder = watcher.finished_folder(job.id)
+
+    created, claimed = timestamp(job.created_at), timestamp(job.started_at)
+    finished = timestamp(job.finished_at)
+    compile_child = folder.child_done - folder.fetched
+    phases = {
+        "hash": hash_s,
+        "check_model": check_s,
+        "upload": upload_s,
+        "submit_requests": first_submit_s + submit_s,
+        "queue_wait": claimed - created,
+        "claim_to_fetch": folder.appeared - claimed,
+        "model_fetch": folder.fetched - folder.appeared,
+        "compile_child_startup_and_read": compile_child - job.compile_seconds - job.export_seconds,
+        "compile": job.compile_seconds,
+        "export": job.export_seconds,
+        "blob_upload": finished - folder.child_done,
+        "record": visible - finished,
+        "work_dir_removal": folder.removed - visible,
+    }
+    total = folder.removed - started
+
+    # Baselines on the same bytes, in the same run.
+    bucket = stack.bucket
+    scratch_key = f"{stack.object_key('bench-scratch')}/{uuid.uuid4().hex}"
+    bin_path = ref.files["bin"]
+    raw_upload_s, _ = timed(s3.upload_file, str(bin_path), bucket, scratch_key)
+    s3.delete_object(Bucket=bucket, Key=scratch_key)
+    local = root / "raw-download"
+    model_key = stack.object_key(model_storage_key(ref.identity["bin"]))
+    raw_fetch_s, _ = timed(s3.download_file, bucket, model_key, str(local))
+    local.unlink()
+    blob_local = root / "blob"
+    stack.farm.store.get_file(blob_storage_key(job.cache_key), blob_local)
+    blob_bytes = blob_local.stat().st_size
+    raw_blob_upload_s, _ = timed(s3.upload_file, str(blob_local), bucket, scratch_key)
+    s3.delete_object(Bucket=bucket, Key=scratch_key)
+    blob_local.unlink()
+    direct = probe(
+        "direct_compile", xml=str(xml), out_dir=str(root / "direct"), blob_id=job.cache_key
+    )
+    shutil.rmtree(root / "direct")
+    after_copy = probe(
+        "direct_compile",
+        xml=str(xml),
+        out_dir=str(root / "direct"),
+        blob_id=job.cache_key,
+        fresh_copy=True,
+    )
+    shutil.rmtree(root / "direct")
+
+    # `farm submit` of the same, unchanged model again: a hit, digests from the digest cache.
+    cli = [sys.executable, "-m", "farm", "submit", str(xml), "--device", "CPU", "--json"]
+    cli_env = child_env(stack.client_env(FARM_CACHE_DIR=str(root / "cli-cache")))
+    subprocess.run(cli, env=cli_env, check=True, capture_output=True)  # fills the digest cache
+    resubmit_s, hit = timed(subprocess.run, cli, env=cli_env, check=True, capture_output=True)
+    assert json.loads(hit.stdout)["outcome"] == "hit", hit.stdout
+    floor = [sys.executable, "-m", "farm", "--help"]
+    cli_floor_s, _ = timed(subprocess.run, floor, env=cli_env, check=True, capture_output=True)
+
+    # A second spec of the same model: the worker has fetched it already.
+    second = body_for(ref, CompileSpec.create("CPU", performance_hint="THROUGHPUT"))
+    result = client.submit(**second)["results"][0]
+    assert result["outcome"] == "queued", result
+    second_job, _ = wait_final(stack.farm, result["job"]["id"])
+    second_folder = watcher.finished_folder(second_job.id)
+    client.close()
+    model_bytes = sum(path.stat().st_size for path in ref.files.values())
+    return {
+        "phases": phases,
+        "total_submit_to_done": total,
+        "bytes": {"uploaded": uploaded, "model": model_bytes, "blob": blob_bytes},
+        "baselines": {
+            "boto3_upload_bin": raw_upload_s,
+            "boto3_download_model": raw_fetch_s,
+            "boto3_upload_blob": raw_blob_upload_s,
+            "direct_compile_export": direct["compile_seconds"] + direct["export_seconds"],
+            "direct_compile": direct["compile_seconds"],
+            "direct_export": direct["export_seconds"],
+            "direct_after_fresh_copy_compile_export": after_copy["compile_seconds"]
+            + after_copy["export_seconds"],
+            "direct_compile_total": direct["seconds"],
+        },
+        "cli_resubmit": {"farm_submit_hit": resubmit_s, "farm_help": cli_floor_s},
+        "second_spec": {
+            "refetched_model": any(name.startswith("model.") for name in second_folder.files),
+            "model_fetch": second_folder.fetched - second_folder.appeared,
+            "state": second_job.state,
+        },
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    def median(values) -> float:
+        return stats(list(values))["median"]
+
+    phases = {name: stats([r["phases"][name] for r in runs]) for name in runs[0]["phases"]}
+    baselines = {name: stats([r["baselines"][name] for r in runs]) for name in runs[0]["baselines"]}
+    # Throughputs per run (same bytes farm and raw), then medians.
+    upload_ratio = median(
+        r["baselines"]["boto3_upload_bin"] / r["phases"]["upload"] for r in runs
+    )  # farm throughput / raw throughput = raw time / farm time (the .bin dominates)
+    fetch_ratio = median(
+        r["baselines"]["boto3_download_model"] / r["phases"]["model_fetch"] for r in runs
+    )
+    blob_ratio = median(
+        r["baselines"]["boto3_upload_blob"] / r["phases"]["blob_upload"] for r in runs
+    )
+    compile_export = median(r["phases"]["compile"] + r["phases"]["export"] for r in runs)
+    direct = baselines["direct_compile_export"]["median"]
+    queue_record = median(r["phases"]["queue_wait"] + r["phases"]["record"] for r in runs)
+    refetched = sum(r["second_spec"]["refetched_model"] for r in runs)
+    model_mb = runs[0]["bytes"]["model"] / MB
+    blob_mb = runs[0]["bytes"]["blob"] / MB
+    return {
+        "title": f"{MODEL_MB} MB model on CPU, one worker, blob {blob_mb:.0f} MB",
+        "comparisons": [
+            comparison(
+                "model upload (CLI -> API -> S3), s",
+                "boto3 upload_file",
+                baselines["boto3_upload_bin"]["median"],
+                phases["upload"]["median"],
+                "s",
+            ),
+            comparison(
+                "model fetch by the worker, s",
+                "boto3 download_file",
+                baselines["boto3_download_model"]["median"],
+                phases["model_fetch"]["median"],
+                "s",
+            ),
+            comparison(
+                "blob upload by the worker (from child exit), s",
+                "boto3 upload_file",
+                baselines["boto3_upload_blob"]["median"],
+                phases["blob_upload"]["median"],
+                "s",
+            ),
+            comparison(
+                "compile + export, s", "direct compile_to_file", direct, compile_export, "s"
+            ),
+            comparison(
+                "compile alone, s",
+                "direct",
+                baselines["direct_compile"]["median"],
+                median(r["phases"]["compile"] for r in runs),
+                "s",
+            ),
+            comparison(
+                "export (blob write) alone, s",
+                "direct",
+                baselines["direct_export"]["median"],
+                median(r["phases"]["export"] for r in runs),
+                "s",
+            ),
+            comparison(
+                "compile + export, s",
+                "direct, model files freshly written (as a fetch leaves them)",
+                baselines["direct_after_fresh_copy_compile_export"]["median"],
+                compile_export,
+                "s",
+            ),
+            comparison(
+                "submit -> succeeded, whole, s",
+                "direct compile (read + compile + write)",
+                baselines["direct_compile_total"]["median"],
+                median(r["total_submit_to_done"] for r in runs),
+                "s",
+            ),
+            comparison(
+                "unchanged re-submit, whole `farm submit` process (a hit)",
+                "`farm --help` process",
+                median(r["cli_resubmit"]["farm_help"] for r in runs),
+                median(r["cli_resubmit"]["farm_submit_hit"] for r in runs),
+                "s",
+            ),
+        ],
+        "phases_seconds": phases,
+        "baselines_seconds": baselines,
+        "transfer_ratios": {
+            "model_upload": upload_ratio,
+            "model_fetch": fetch_ratio,
+            "blob_upload": blob_ratio,
+        },
+        "model_mb": model_mb,
+        "runs": runs,
+        "targets": [
+            target("queue wait + record (s)", queue_record, 0.5, unit="s"),
+            target("model upload throughput, farm / raw boto3", upload_ratio, 0.8, at_most=False),
+            target("model fetch throughput, farm / raw boto3", fetch_ratio, 0.8, at_most=False),
+            target("blob upload throughput, farm / raw boto3", blob_ratio, 0.8, at_most=False),
+            target(
+                f"second spec fetches the model again (runs of {len(runs)})",
+                refetched,
+                0,
+            ),
+            target("compile + export / direct compile", ratio(compile_export, direct), 1.1),
+        ],
+        "notes": (
+            "Phases: hash, check_model and upload are the CLI's steps, timed in the client; "
+            "queue_wait = claimed - created (job row); model_fetch = job folder created -> "
+            "compile request written; compile_child_startup_and_read = child wall time minus "
+            "the compile and export it records (interpreter, OpenVINO import, read_model); "
+            "blob_upload = child's result written -> job finished (includes the parent "
+            "noticing the child's exit, the sha256 pass and the multipart upload); record = "
+            "finished -> succeeded visible in the database (polled every 5 ms); "
+            "work_dir_removal = then -> job folder removed. Baselines: boto3 with its "
+            "default transfer settings, same bytes, same run, right after the job."
+        ),
+    }
+
+
+if __name__ == "__main__":
+    write_result(NAME, main())
