@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     presign_seconds: int = 3600
     """Lifetime of a presigned download URL."""
 
+    worker_model_cache_bytes: int = 32 * 2**30
+    """Workers keep fetched model files under ``FARM_CACHE_DIR/models`` up to this size (LRU),
+    so another spec of the same model does not fetch it again. 0: no cache."""
     signing_key: Path | None = None
     """Workers: Ed25519 private key (PEM) that signs each blob. Embedded default:
     ``<home>/keys/signing.pem``, created on first use; served workers without one record

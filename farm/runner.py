@@ -24,7 +24,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.db.models import Blob, Job, Model
+from farm.edge.cache import BlobCache
 from farm.errors import WorkDiskFull
+from farm.model_cache import link_model_file
 from farm.service import blob_storage_key, model_storage_key, now
 from farm.signing import Signer
 from farm.spec import CompileSpec, Target, Toolchain
@@ -80,12 +82,14 @@ def run_job(
     limits: RunLimits = RunLimits(),
     work_root: Path | None = None,
     signer: Signer | None = None,
+    model_cache: BlobCache | None = None,
 ) -> Job:
     """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
 
     Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
     database) put the job back in the queue, or fail it when that was its last attempt, and
     propagate, for the caller to retry (the retry finds the job failed and does nothing).
+    `model_cache` keeps the model files a remote store sent, for this host's next jobs.
     """
     worker = worker or socket.gethostname()
     with sessions() as session:
@@ -97,7 +101,9 @@ def run_job(
     lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
     try:
         with lease:
-            outcome = _compile_and_store(job, model_row, store, work_dir, lease, limits, signer)
+            outcome = _compile_and_store(
+                job, model_row, store, work_dir, lease, limits, signer, model_cache
+            )
         with sessions() as session:
             return outcome(session)
     except Exception as error:
@@ -107,14 +113,14 @@ def run_job(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer):
+def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
     """Returns a function that records the outcome in a session (so recording is one place)."""
     from farm import compiler
     from farm.sandbox import CompileCancelled, CompileTimeout, compile_in_child
 
     spec = CompileSpec.from_canonical(job.target, job.spec)
     with _work_disk(work_dir):
-        files = _fetch_model(store, model_row, work_dir)
+        files = _fetch_model(store, model_row, work_dir, model_cache)
         _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     try:
         result, output = compile_in_child(
@@ -137,14 +143,19 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer):
     return lambda session: _record_blob(session, job, model_row, result, stored, output, signer)
 
 
-def _fetch_model(store: BlobStore, model_row: Model, work_dir: Path) -> dict[str, Path]:
-    """Model files as paths the compiler can read: the store's own files when it is local."""
+def _fetch_model(
+    store: BlobStore, model_row: Model, work_dir: Path, model_cache: BlobCache | None
+) -> dict[str, Path]:
+    """Model files as paths the compiler can read: the store's own files when it is local,
+    else from this host's model cache, fetched into it once."""
     suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
     files = {}
     for role, sha in model_row.files.items():
         key, local = model_storage_key(sha), work_dir / f"model{suffix[role]}"
         stored = store.local_path(key)
-        if stored is None:
+        if stored is None and model_cache is not None:
+            link_model_file(model_cache, store, key, sha, local)
+        elif stored is None:
             store.get_file(key, local)
         else:
             # A link, not the store's own path: a model may name files relative to itself

@@ -27,6 +27,15 @@ class WorkerContext:
         return open_store(self.settings.resolved_storage_url, self.settings)
 
     @cached_property
+    def model_cache(self):
+        from farm.edge.cache import BlobCache
+
+        if not self.settings.worker_model_cache_bytes:
+            return None
+        root = self.settings.cache_dir / "models"
+        return BlobCache(root, self.settings.worker_model_cache_bytes)
+
+    @cached_property
     def signer(self):
         from farm.signing import load_signer
 

@@ -53,6 +53,7 @@ def compile_job(self, job_id: int) -> None:
             settings.resolved_compile_memory_bytes,
         ),
         signer=context.signer,
+        model_cache=context.model_cache,
     )
     log.info("job %s: %s", job_id, job.state if job else "not found")
 

@@ -65,6 +65,11 @@ def test_a_real_worker_compiles_a_cpu_job_end_to_end(served, conv_xml, tmp_path)
     assert ran["import_seconds"] > 0
     assert served.farm_json("submit", str(conv_xml), "-d", "CPU")["outcome"] == "hit"
 
+    # Another spec of the same model: the worker links the files it fetched, no second fetch.
+    other = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--hint", "latency", "--wait")
+    assert other["job"]["state"] == "succeeded"
+    assert served.worker_log("w1").count("into the worker cache") == 2  # .xml and .bin, once
+
 
 def test_twenty_concurrent_identical_submits_compile_once(served, conv_xml):
     outcomes, errors = [], []
