@@ -180,6 +180,8 @@ class TreeSampler:
         self.peak_by_pid: dict[int, int] = {}
         self.names: dict[int, str] = {}
         """What each process sampled was: its command line, shortened."""
+        self.at_peak: dict[int, int] = {}
+        """Each process's PSS at the moment of the tree's peak."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -202,10 +204,12 @@ class TreeSampler:
         self.peak_total = self.peak_total_anon = 0
         self.peak_by_pid = {}
         self.names = {}
+        self.at_peak = {}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             total = anon = 0
+            shares_now: dict[int, int] = {}
             for pid in process_tree(self.pid):
                 status = _status(pid)
                 shares = _proportional(pid)
@@ -213,8 +217,11 @@ class TreeSampler:
                     continue  # ended, or a zombie (no memory left to count)
                 total += shares["Pss"]
                 anon += shares["Pss_Anon"]
+                shares_now[pid] = shares["Pss"]
                 self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), status["VmHWM"])
                 if not self.names.get(pid):  # empty between fork and exec
                     self.names[pid] = _command(pid)
-            self.peak_total = max(self.peak_total, total)
+            if total > self.peak_total:
+                self.peak_total = total
+                self.at_peak = shares_now
             self.peak_total_anon = max(self.peak_total_anon, anon)
