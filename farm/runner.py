@@ -133,6 +133,8 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
             should_stop=lease.should_stop,
         )
         _check_toolchain(job, result.toolchain, spec.target)
+        if lease.should_stop():  # cancelled while the compile was finishing: store nothing
+            raise CompileCancelled("compile cancelled")
     except CompileCancelled:
         return lambda session: _finish(session, job, "cancelled", error="cancelled while running")
     except (CompileTimeout, compiler.CompileError, compiler.CompilerUnavailable) as error:

@@ -146,7 +146,8 @@ def test_a_running_compile_is_cancelled_by_its_worker(served, big_xml):
     served.start_worker("w1")
     submission = submit_direct(served, big_xml)
     wait_until(lambda: served.job(submission.job_id).state == "running", 60, "the compile")
-    served.farm("cancel", str(submission.job_id))
+    with served.sessions() as session:  # at once: a `farm cancel` process takes a second to start
+        service.cancel(session, submission.job_id)
     job = served.wait_job(submission.job_id, timeout=30)
     assert job.state == "cancelled" and served.count(Blob) == 0
 
