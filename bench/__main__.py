@@ -1,7 +1,7 @@
 """``python -m bench [NAME ...]``: run benchmarks one at a time, each in its own process, then
 rewrite the results section of bench/README.md from bench/results/*.json.
 
-    bench/run                 all of them (about 30 minutes on 2 cores)
+    bench/run                 all of them (about 20 minutes on 2 cores)
     bench/run edge hashing    only these
     bench/run --list          their names
     bench/run --report        only rewrite the README section from the results already there

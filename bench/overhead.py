@@ -88,15 +88,26 @@ def body_for(ref: ModelRef, spec: CompileSpec) -> dict:
 def wait_final(farm, job_id: int, timeout: float = 900):
     """Poll the job row every POLL_SECONDS: the row in its final state and when that state
     became visible (the commit of the worker's record transaction)."""
+    return wait_all_final(farm, [job_id], timeout)[0]
+
+
+def wait_all_final(farm, job_ids: list[int], timeout: float = 900) -> list[tuple[Job, float]]:
+    """`wait_final` for several jobs at once: each one's row and when it became final."""
+    final = ("succeeded", "failed", "cancelled")
+    seen: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     with farm.engine.connect() as connection:
-        while time.monotonic() < deadline:
-            state = connection.execute(select(Job.state).where(Job.id == job_id)).scalar()
+        while len(seen) < len(job_ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"jobs {sorted(set(job_ids) - set(seen))} did not finish")
+            rows = connection.execute(
+                select(Job.id, Job.state).where(Job.id.in_(set(job_ids) - set(seen)))
+            ).all()
             connection.rollback()  # a new snapshot for the next read
-            if state in ("succeeded", "failed", "cancelled"):
-                return farm.job(job_id), time.time()
+            now = time.time()
+            seen |= {job_id: now for job_id, state in rows if state in final}
             time.sleep(POLL_SECONDS)
-    raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
+    return [(farm.job(job_id), seen[job_id]) for job_id in job_ids]
 
 
 def main() -> dict:
