@@ -274,7 +274,8 @@ def test_s3_unreachable_during_an_edge_download(tmp_path, served_env):
         partial = cache / "blobs" / "partial" / blob.cache_key
         files = {p.relative_to(cache) for p in cache.rglob("*") if p.is_file()}
         assert files == {partial.relative_to(cache)}
-        assert 4 * 2**20 <= partial.stat().st_size < blob.size_bytes
+        # The proxy counts response headers too: the body kept is 4 MiB less those few bytes.
+        assert 4 * 2**20 - 4096 <= partial.stat().st_size < blob.size_bytes
         kept = partial.stat().st_size
         # Lost: nothing. Nothing recorded for a pull that did not happen.
         assert census(farm) == holding(jobs=1, blobs=1, models=1, model_objects=2, blob_objects=1)
