@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 CACHE_KEY_VERSION = 1
 CHUNK_BYTES = 1 << 20
@@ -35,6 +35,14 @@ def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None)
             digest.update(view[:count])
             if progress is not None:
                 progress(count)
+    return digest.hexdigest()
+
+
+def sha256_stream(stream: BinaryIO) -> str:
+    """sha256 hex of everything left in a readable stream (an HTTP body, say)."""
+    digest = hashlib.sha256()
+    while chunk := stream.read(CHUNK_BYTES):
+        digest.update(chunk)
     return digest.hexdigest()
 
 

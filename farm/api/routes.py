@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 import uuid
 from datetime import datetime
-from pathlib import Path
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse
 
 from farm import routing, service
@@ -29,6 +26,7 @@ from farm.api.schemas import (
 )
 from farm.db.models import Blob, Job
 from farm.spec import CompileSpec, Toolchain
+from farm.storage import ChecksumMismatch, ObjectWriter
 from farm.tokens import Caller
 from farm.views import blob_dict, job_dict, worker_dict
 
@@ -118,27 +116,14 @@ async def upload_model(sha256: Sha256, request: Request, _: Caller = submit_role
     key = service.model_storage_key(sha256)
     if farm.store.exists(key):
         return {"sha256": sha256, "stored": False}
-    digest, size = hashlib.sha256(), 0
-    handle, temporary = tempfile.mkstemp(prefix="farm-upload-")
+    writer = farm.store.writer(key, expected_sha256=sha256)
     try:
-        with os.fdopen(handle, "wb") as sink:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > int(declared):
-                    raise ApiError(413, "too_large", "body longer than its Content-Length")
-                digest.update(chunk)
-                sink.write(chunk)
-        if size != int(declared):
-            raise ApiError(400, "incomplete_body", f"got {size} of {declared} bytes")
-        if digest.hexdigest() != sha256:
-            raise ApiError(
-                422,
-                "digest_mismatch",
-                f"the bytes have sha256 {digest.hexdigest()}, not {sha256}; nothing stored",
-            )
-        farm.store.put_file(key, temporary, expected_sha256=sha256)
+        await _stream_into(writer, request, int(declared))
+        await run_in_threadpool(writer.commit)
+    except ChecksumMismatch as error:
+        raise ApiError(422, "digest_mismatch", str(error)) from error
     finally:
-        Path(temporary).unlink(missing_ok=True)
+        writer.close()
     return {"sha256": sha256, "stored": True}
 
 
@@ -216,6 +201,23 @@ def submit(
                 for r, spec in zip(results, specs, strict=True)
             ],
         )
+
+
+async def _stream_into(writer: ObjectWriter, request: Request, declared: int) -> None:
+    """The body goes to the store as it arrives, a store-sized piece at a time, while the next
+    piece is received (the writer blocks when its parts in flight are full: in a thread)."""
+    pending, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > declared:
+            raise ApiError(413, "too_large", "body longer than its Content-Length")
+        pending += chunk
+        if len(pending) >= writer.chunk_bytes:
+            await run_in_threadpool(writer.write, bytes(pending))
+            pending.clear()
+    if size != declared:
+        raise ApiError(400, "incomplete_body", f"got {size} of {declared} bytes")
+    await run_in_threadpool(writer.write, bytes(pending))
 
 
 def _model_size(store, model: dict[str, str]) -> int:

@@ -6,6 +6,7 @@ Keys are relative, slash-separated: ``models/<sha256>``, ``blobs/<cache_key>.blo
 from __future__ import annotations
 
 import abc
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +46,81 @@ def check_key(key: str) -> str:
     return key
 
 
+class ObjectWriter(abc.ABC):
+    """One object written as a stream of bytes, hashed as they pass: `write` them in order,
+    then `commit`. Nothing is visible under the key before `commit`; leaving the `with` block
+    without it (or a failed commit) discards what was written.
+
+    With `expected_sha256`, `commit` refuses bytes with another digest (ChecksumMismatch) and
+    stores nothing.
+    """
+
+    chunk_bytes: int = 1 << 20
+    """The write size this store handles best (callers reading a file use it)."""
+
+    def __init__(self, key: str, expected_sha256: str | None) -> None:
+        self.key = check_key(key)
+        self.expected_sha256 = expected_sha256
+        self.size = 0
+        self._digest = hashlib.sha256()
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        self._digest.update(data)
+        self.size += len(data)
+        self._write(data)
+
+    def commit(self) -> StoredObject:
+        sha256 = self._digest.hexdigest()
+        if self.expected_sha256 is not None and sha256 != self.expected_sha256:
+            raise ChecksumMismatch(
+                f"{self.key}: the bytes have sha256 {sha256}, expected {self.expected_sha256}; "
+                "nothing stored"
+            )
+        stored = self._commit(sha256)
+        self._done = True
+        return stored
+
+    def close(self) -> None:
+        """Discard what was written, unless committed."""
+        if not self._done:
+            self._done = True
+            self._discard()
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def _write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _commit(self, sha256: str) -> StoredObject:
+        """Make the object visible under its key; `sha256` is the digest of all its bytes."""
+
+    @abc.abstractmethod
+    def _discard(self) -> None:
+        """Drop what was written; must not block for long (it may run on an event loop)."""
+
+
 class BlobStore(abc.ABC):
     """Where model files and blobs live. Writes are all-or-nothing."""
 
     @abc.abstractmethod
+    def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
+        """A writer for a new object under `key` (see ObjectWriter)."""
+
     def put_file(
         self, key: str, path: str | Path, expected_sha256: str | None = None
     ) -> StoredObject:
-        """Store the file at `path` under `key`, hashing it on the way; refuse a mismatch."""
+        """Store the file at `path` under `key`, hashing it on the way (one pass over it);
+        refuse a mismatch with `expected_sha256`."""
+        with self.writer(key, expected_sha256) as writer, open(path, "rb") as source:
+            while chunk := source.read(writer.chunk_bytes):
+                writer.write(chunk)
+            return writer.commit()
 
     @abc.abstractmethod
     def get_file(self, key: str, dest: str | Path) -> None:

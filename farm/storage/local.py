@@ -7,14 +7,13 @@ half-written object and a crash leaves at most a `.partial` file behind.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from farm.storage import BlobStore, ChecksumMismatch, StorageError, StoredObject, check_key
+from farm.storage import BlobStore, ObjectWriter, StorageError, StoredObject, check_key
 
 CHUNK_BYTES = 1 << 20
 
@@ -29,32 +28,8 @@ class LocalStore(BlobStore):
             raise ValueError(f"storage key {key!r} escapes the store")
         return path
 
-    def put_file(
-        self, key: str, path: str | Path, expected_sha256: str | None = None
-    ) -> StoredObject:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        size = 0
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".partial")
-        try:
-            with os.fdopen(handle, "wb") as sink, open(path, "rb") as source:
-                while chunk := source.read(CHUNK_BYTES):
-                    digest.update(chunk)
-                    sink.write(chunk)
-                    size += len(chunk)
-                sink.flush()
-                os.fsync(sink.fileno())
-            sha256 = digest.hexdigest()
-            if expected_sha256 is not None and sha256 != expected_sha256:
-                raise ChecksumMismatch(
-                    f"{path}: sha256 is {sha256}, expected {expected_sha256}; nothing stored"
-                )
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        return StoredObject(key, size, sha256)
+    def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
+        return _LocalWriter(self._path(key), key, expected_sha256)
 
     def get_file(self, key: str, dest: str | Path) -> None:
         with self.open_read(key) as source, open(dest, "wb") as sink:
@@ -90,3 +65,29 @@ class LocalStore(BlobStore):
             raise StorageError(
                 f"cannot use {self.root} as store (FARM_STORAGE_URL): {error}"
             ) from error
+
+
+class _LocalWriter(ObjectWriter):
+    """Writes a temporary file beside the target, flushed to disk, renamed into place."""
+
+    def __init__(self, target: Path, key: str, expected_sha256: str | None) -> None:
+        super().__init__(key, expected_sha256)
+        self.target = target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".partial")
+        self.temporary = Path(temporary)
+        self.sink = os.fdopen(handle, "wb")
+
+    def _write(self, data: bytes) -> None:
+        self.sink.write(data)
+
+    def _commit(self, sha256: str) -> StoredObject:
+        self.sink.flush()
+        os.fsync(self.sink.fileno())
+        self.sink.close()
+        os.replace(self.temporary, self.target)
+        return StoredObject(self.key, self.size, sha256)
+
+    def _discard(self) -> None:
+        self.sink.close()
+        self.temporary.unlink(missing_ok=True)

@@ -2,9 +2,11 @@
 
 - Objects are written once: `If-None-Match: *` on the PUT (or on completing a multipart upload).
   A 412 means another writer got there first; that is fine when its sha256 equals ours.
-- The sha256 of the whole file is stored as object metadata (`x-amz-meta-sha256`): ETags and
-  multipart checksums are not content hashes. It is computed again while the bytes go out, and
-  a file that changed under the upload is refused (the multipart upload is aborted).
+- The sha256 of the whole object is computed in the one pass that sends it, and stored with it
+  (ETags and multipart checksums are not content hashes): as metadata (`x-amz-meta-sha256`)
+  when known before the first byte (an expected digest, or a one-part object), else as the
+  object's `sha256` tag after the upload. Bytes that do not match an expected digest are
+  refused before the object exists (the multipart upload is aborted).
 - Big files go up in parts, a bounded number at once, so memory stays at
   ``PART_BYTES * PARALLEL_PARTS`` whatever the file size.
 """
@@ -12,7 +14,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,13 +28,22 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from farm import hashing
-from farm.storage import BlobStore, ChecksumMismatch, StorageError, StoredObject, check_key
+from farm.storage import (
+    BlobStore,
+    ChecksumMismatch,
+    ObjectWriter,
+    StorageError,
+    StoredObject,
+    check_key,
+)
 
 PART_BYTES = 16 * 2**20
 """Multipart part size: S3 allows 10,000 parts, so this covers objects up to 160 GiB."""
 PARALLEL_PARTS = 4
 """Parts in flight at once (uploads and ranged downloads)."""
 SHA256_METADATA = "sha256"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,86 +122,8 @@ class S3Store(BlobStore):
 
     # --- writes -----------------------------------------------------------------------------
 
-    def put_file(
-        self, key: str, path: str | Path, expected_sha256: str | None = None
-    ) -> StoredObject:
-        path = Path(path)
-        size = path.stat().st_size
-        # The metadata goes with the first request, before any byte: so the digest is known
-        # first (content-addressed models bring theirs), and verified again on the way out.
-        sha256 = expected_sha256 or hashing.sha256_file(path)
-        try:
-            if size <= PART_BYTES:
-                self._put_small(key, path, sha256)
-            else:
-                self._put_multipart(key, path, sha256)
-        except ClientError as error:
-            if _status(error) == 412:
-                return self._already_written(key, size, sha256)
-            raise StorageError(f"S3 write of {key} failed: {error}") from error
-        except BotoCoreError as error:
-            raise StorageError(f"S3 write of {key} failed: {error}") from error
-        return StoredObject(key, size, sha256)
-
-    def _put_small(self, key: str, path: Path, sha256: str) -> None:
-        data = path.read_bytes()
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != sha256:
-            raise ChecksumMismatch(f"{path}: sha256 is {actual}, expected {sha256}; not stored")
-        self.client.put_object(
-            Bucket=self.bucket,
-            Key=self._key(key),
-            Body=data,
-            IfNoneMatch="*",
-            Metadata={SHA256_METADATA: sha256},
-        )
-
-    def _put_multipart(self, key: str, path: Path, sha256: str) -> None:
-        object_key = self._key(key)
-        upload_id = self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=object_key, Metadata={SHA256_METADATA: sha256}
-        )["UploadId"]
-        try:
-            parts = self._upload_parts(object_key, upload_id, path, sha256)
-            self.client.complete_multipart_upload(
-                Bucket=self.bucket,
-                Key=object_key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-                IfNoneMatch="*",
-            )
-        except BaseException:
-            self._abort(object_key, upload_id)
-            raise
-
-    def _upload_parts(self, object_key: str, upload_id: str, path: Path, sha256: str) -> list:
-        digest = hashlib.sha256()
-        in_flight: deque[tuple[int, Future]] = deque()
-        parts = []
-        with ThreadPoolExecutor(PARALLEL_PARTS) as pool, open(path, "rb") as source:
-            number = 0
-            while chunk := source.read(PART_BYTES):
-                number += 1
-                digest.update(chunk)
-                if len(in_flight) >= PARALLEL_PARTS:
-                    parts.append(_part(*_wait(in_flight.popleft())))
-                future = pool.submit(
-                    self.client.upload_part,
-                    Bucket=self.bucket,
-                    Key=object_key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=chunk,
-                )
-                in_flight.append((number, future))
-            while in_flight:
-                parts.append(_part(*_wait(in_flight.popleft())))
-        if digest.hexdigest() != sha256:
-            raise ChecksumMismatch(
-                f"{path}: sha256 while uploading was {digest.hexdigest()}, expected {sha256}; "
-                "the file changed or is not the one hashed. Not stored."
-            )
-        return parts
+    def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
+        return _S3Writer(self, key, expected_sha256)
 
     def _abort(self, object_key: str, upload_id: str) -> None:
         # On failure the reconciler aborts the stale upload later.
@@ -201,6 +134,10 @@ class S3Store(BlobStore):
 
     def _already_written(self, key: str, size: int, sha256: str) -> StoredObject:
         existing = self.stat(key)
+        if existing is not None and not existing.sha256:
+            # Its writer stopped between completing the upload and tagging it.
+            with self.open_read(key) as body:
+                existing = StoredObject(key, existing.size, hashing.sha256_stream(body))
         if existing is None or existing.sha256 != sha256:
             found = existing.sha256 if existing else "nothing"
             raise ChecksumMismatch(
@@ -267,7 +204,15 @@ class S3Store(BlobStore):
             raise StorageError(f"S3 stat of {key} failed: {error}") from error
         except BotoCoreError as error:
             raise StorageError(f"S3 stat of {key} failed: {error}") from error
-        return StoredObject(key, head["ContentLength"], head["Metadata"].get(SHA256_METADATA, ""))
+        sha256 = head["Metadata"].get(SHA256_METADATA) or (
+            self._tagged_sha256(key) if head.get("TagCount") else ""
+        )
+        return StoredObject(key, head["ContentLength"], sha256)
+
+    def _tagged_sha256(self, key: str) -> str:
+        with _errors(f"S3 stat of {key}"):
+            tags = self.client.get_object_tagging(Bucket=self.bucket, Key=self._key(key))
+        return next((t["Value"] for t in tags["TagSet"] if t["Key"] == SHA256_METADATA), "")
 
     def exists(self, key: str) -> bool:
         return self.stat(key) is not None
@@ -283,10 +228,126 @@ def _status(error: ClientError) -> int:
     return int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
 
 
-def _wait(item: tuple[int, Future]) -> tuple[int, dict]:
-    number, future = item
-    return number, future.result()
+@contextlib.contextmanager
+def _errors(what: str):
+    try:
+        yield
+    except (ClientError, BotoCoreError) as error:
+        raise StorageError(f"{what} failed: {error}") from error
 
 
-def _part(number: int, response: dict) -> dict:
-    return {"PartNumber": number, "ETag": response["ETag"]}
+class _S3Writer(ObjectWriter):
+    """Parts of PART_BYTES go up as they fill, PARALLEL_PARTS at once; an object that fits in
+    one part is one PUT at commit. Completing the upload (or the PUT) is what makes the object
+    visible, with `If-None-Match: *`: a 412 means someone else wrote it first.
+
+    The sha256 goes with the object: as metadata when known before the first byte (an
+    expected digest, or a one-part object), else as the object's `sha256` tag once the
+    upload is complete: hashing the file first would read it twice.
+    """
+
+    chunk_bytes = PART_BYTES
+
+    def __init__(self, store: S3Store, key: str, expected_sha256: str | None) -> None:
+        super().__init__(key, expected_sha256)
+        self.store, self.client, self.bucket = store, store.client, store.bucket
+        self.object_key = store._key(key)
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: deque[tuple[int, Future]] = deque()
+        self._parts: list[dict] = []
+
+    def _write(self, data: bytes) -> None:
+        if not self._buffer and len(data) == PART_BYTES:
+            self._send(data)  # a whole part: no copy
+            return
+        self._buffer += data
+        while len(self._buffer) >= PART_BYTES:
+            self._send(bytes(self._buffer[:PART_BYTES]))
+            del self._buffer[:PART_BYTES]
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            metadata = {SHA256_METADATA: self.expected_sha256} if self.expected_sha256 else {}
+            with _errors(f"S3 write of {self.key}"):
+                self._upload_id = self.client.create_multipart_upload(
+                    Bucket=self.bucket, Key=self.object_key, Metadata=metadata
+                )["UploadId"]
+            self._pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="s3-part")
+        if len(self._in_flight) >= PARALLEL_PARTS:
+            self._collect_oldest()
+        number = len(self._parts) + len(self._in_flight) + 1
+        future = self._pool.submit(
+            self.client.upload_part,
+            Bucket=self.bucket,
+            Key=self.object_key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=part,
+        )
+        self._in_flight.append((number, future))
+
+    def _collect_oldest(self) -> None:
+        number, future = self._in_flight.popleft()
+        with _errors(f"S3 write of {self.key}"):
+            self._parts.append({"PartNumber": number, "ETag": future.result()["ETag"]})
+
+    def _commit(self, sha256: str) -> StoredObject:
+        try:
+            if self._upload_id is None:
+                self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=self.object_key,
+                    Body=bytes(self._buffer),
+                    IfNoneMatch="*",
+                    Metadata={SHA256_METADATA: sha256},
+                )
+            else:
+                self._complete(sha256)
+        except ClientError as error:
+            if _status(error) == 412:
+                self._discard()
+                return self.store._already_written(self.key, self.size, sha256)
+            raise StorageError(f"S3 write of {self.key} failed: {error}") from error
+        except BotoCoreError as error:
+            raise StorageError(f"S3 write of {self.key} failed: {error}") from error
+        return StoredObject(self.key, self.size, sha256)
+
+    def _complete(self, sha256: str) -> None:
+        if self._buffer:
+            self._send(bytes(self._buffer))
+            self._buffer.clear()
+        while self._in_flight:
+            self._collect_oldest()
+        self.client.complete_multipart_upload(
+            Bucket=self.bucket,
+            Key=self.object_key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": self._parts},
+            IfNoneMatch="*",
+        )
+        self._upload_id = None  # complete: nothing left to abort
+        self._pool.shutdown()
+        if self.expected_sha256 is None:
+            self._tag(sha256)
+
+    def _tag(self, sha256: str) -> None:
+        try:
+            self.client.put_object_tagging(
+                Bucket=self.bucket,
+                Key=self.object_key,
+                Tagging={"TagSet": [{"Key": SHA256_METADATA, "Value": sha256}]},
+            )
+        except (ClientError, BotoCoreError) as error:
+            # The object is whole and the caller records its digest; a later writer of the
+            # same key hashes the object instead of reading the tag (S3Store._already_written).
+            log.warning("could not tag %s with its sha256: %s", self.key, error)
+
+    def _discard(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._upload_id is not None:
+            # Parts still in flight may land after the abort; the reconciler aborts it again.
+            self.store._abort(self.object_key, self._upload_id)
+            self._upload_id = None

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -95,13 +96,18 @@ def holding(**counts: int) -> dict[str, int]:
     return {**zero, "unfinished uploads": 0, **{k.replace("_", " "): v for k, v in counts.items()}}
 
 
-def receiving_upload(tmp: Path) -> bool:
-    """The API is past authentication and writing an upload's bytes to its temporary file."""
-    for path in tmp.glob("farm-upload-*"):
-        with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_size > 0:
-                return True
-    return False
+UPLOAD_MODEL_MB = 48
+BLOCK_AT_CHUNK = 36
+"""The client stops sending at this MiB of the upload: loopback socket buffers (~10 MiB at
+most) cannot hold what the API has not read, so it has read over one 16 MiB part by then."""
+
+
+def receiving_upload(farm: ServedFarm, sha256: str) -> bool:
+    """The API is past authentication and streaming the file's parts into the store."""
+    store = farm.store
+    key = store._key(service.model_storage_key(sha256))
+    uploads = store.client.list_multipart_uploads(Bucket=store.bucket, Prefix=key)
+    return bool(uploads.get("Uploads"))
 
 
 def kill(api: ApiServer) -> None:
@@ -114,13 +120,10 @@ def kill(api: ApiServer) -> None:
 
 
 def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres, broker):
-    api_tmp = tmp_path / "api-tmp"
-    api_tmp.mkdir()
     env = {
         **served_env,
         "FARM_DATABASE_URL": private_postgres.create_database(),
         "FARM_BROKER_URL": broker,
-        "TMPDIR": str(api_tmp),
     }
     farm = ServedFarm(env, tmp_path)
     api = ApiServer(env, tmp_path / "api.log")
@@ -128,7 +131,7 @@ def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres
         api.start()
         with farm.sessions() as session:
             token = create_token(session, "submitter", "submit")
-        xml = models.save_ir(models.large_net(16), tmp_path / "m" / "m.xml")
+        xml = models.save_ir(models.large_net(UPLOAD_MODEL_MB), tmp_path / "m" / "m.xml")
         ref = service.ModelRef.from_path(xml)
         spec = CompileSpec.create("CPU")
         chunks = 0
@@ -138,8 +141,10 @@ def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres
             def advance(_: int) -> None:
                 nonlocal chunks
                 chunks += 1
-                if chunks == 4:  # the API is streaming the .bin: the submit is half done
-                    wait_until(lambda: receiving_upload(api_tmp), 30, "the upload to arrive")
+                if chunks == BLOCK_AT_CHUNK:  # the API streams the .bin: the submit is half done
+                    wait_until(
+                        lambda: receiving_upload(farm, ref.identity["bin"]), 30, "the upload"
+                    )
                     private_postgres.stop()
 
             yield advance
@@ -362,28 +367,32 @@ def test_api_killed_during_an_upload(tmp_path, served_env, broker):
         api.start()
         with farm.sessions() as session:
             token = create_token(session, "submitter", "submit")
-        xml = models.save_ir(models.large_net(16), tmp_path / "m" / "m.xml")
+        xml = models.save_ir(models.large_net(UPLOAD_MODEL_MB), tmp_path / "m" / "m.xml")
         ref = service.ModelRef.from_path(xml)
         chunks = 0
 
         def progress(_: int) -> None:
             nonlocal chunks
             chunks += 1
-            if chunks == 4:
-                wait_until(lambda: receiving_upload(api_tmp), 30, "the upload to arrive")
+            if chunks == BLOCK_AT_CHUNK:
+                wait_until(lambda: receiving_upload(farm, ref.identity["bin"]), 30, "the upload")
                 kill(api)
 
         with FarmClient(api.url, token) as client, pytest.raises(ApiError) as broken:
             client.upload(ref.identity["bin"], ref.files["bin"], progress)
         assert (broken.value.status, broken.value.code) == (0, "unreachable")
-        assert chunks < 16
+        assert chunks < UPLOAD_MODEL_MB
 
         api.start()  # the same port
-        # Lost: nothing. Duplicated: nothing. No object under the digest, no row. What the
-        # killed process received stays in its temporary file, outside the store.
-        assert census(farm) == holding()
-        assert all(p.name.startswith("farm-upload-") for p in api_tmp.iterdir())
+        # Lost: nothing. Duplicated: nothing. No object under the digest, no row. The parts
+        # the killed process sent stay in an unfinished upload, which the reconciler aborts
+        # (after FARM_MAX_RUN_SECONDS; here at once). The API kept nothing on its own disk.
+        assert census(farm) == holding(unfinished_uploads=1)
         assert not farm.store.exists(service.model_storage_key(ref.identity["bin"]))
+        assert list(api_tmp.iterdir()) == []
+        aborted = farm.store.abort_stale_uploads(timedelta(0))
+        assert aborted == [farm.store._key(service.model_storage_key(ref.identity["bin"]))]
+        assert census(farm) == holding()
 
         answer = farm.farm_json(
             "submit", str(xml), "-d", "CPU", env={"FARM_API_URL": api.url, "FARM_TOKEN": token}

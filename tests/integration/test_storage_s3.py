@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
 import urllib.request
 from datetime import timedelta
 
@@ -114,3 +116,49 @@ def test_broken_configuration_names_the_setting(s3_store):
 def test_storage_url_parsing():
     assert S3Settings.from_url("s3://bucket/a/b/").prefix == "a/b/"
     assert S3Settings.from_url("s3://bucket").prefix == ""
+
+
+def test_a_file_is_read_once_and_its_digest_tagged(s3_store, tmp_path):
+    """A named pipe can be read only once: put_file hashes in the pass that uploads."""
+    data = os.urandom(PART_BYTES * 2 + 7)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    feeder = threading.Thread(target=pipe.write_bytes, args=(data,))
+    feeder.start()
+    # A second pass would wait for a writer forever: this one lets it read nothing, and fail.
+    watchdog = threading.Timer(60, _open_for_writing_if_read, args=(pipe,))
+    watchdog.start()
+    stored = s3_store.put_file("blobs/piped.blob", pipe)
+    watchdog.cancel()
+    feeder.join()
+    assert stored.sha256 == hashlib.sha256(data).hexdigest() and stored.size == len(data)
+    assert s3_store.stat("blobs/piped.blob") == stored  # the digest, from the object's tag
+
+
+def test_streamed_writes_in_odd_pieces_and_a_discarded_writer(s3_store):
+    data = os.urandom(PART_BYTES + PART_BYTES // 2)
+    digest = hashlib.sha256(data).hexdigest()
+    with s3_store.writer(f"models/{digest}", expected_sha256=digest) as writer:
+        for start in range(0, len(data), 5_000_001):
+            writer.write(data[start : start + 5_000_001])
+        assert writer.commit().sha256 == digest
+    assert s3_store.stat(f"models/{digest}").sha256 == digest  # metadata, known up front
+    with s3_store.writer("blobs/dropped.blob") as writer:
+        writer.write(data)  # one part sent, then the block is left without a commit
+    assert not s3_store.exists("blobs/dropped.blob")
+    assert s3_store.abort_stale_uploads(timedelta(0)) == []
+
+
+def test_an_object_whose_writer_died_before_tagging_is_hashed_on_conflict(s3_store, tmp_path):
+    data = os.urandom(PART_BYTES + 1)
+    s3_store.client.put_object(Bucket=s3_store.bucket, Key=s3_store._key("blobs/u.blob"), Body=data)
+    assert s3_store.stat("blobs/u.blob").sha256 == ""  # neither metadata nor tag
+    same = s3_store.put_file("blobs/u.blob", write(tmp_path / "a", data))
+    assert same.sha256 == hashlib.sha256(data).hexdigest()
+    with pytest.raises(ChecksumMismatch, match="write-once"):
+        s3_store.put_file("blobs/u.blob", write(tmp_path / "b", os.urandom(PART_BYTES + 1)))
+
+
+def _open_for_writing_if_read(pipe) -> None:
+    with contextlib.suppress(OSError):  # ENXIO: nobody is reading it
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
