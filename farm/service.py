@@ -9,7 +9,7 @@ one transaction, after the blob is stored and its sha256 known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,13 +72,10 @@ def submit(
     needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
     claims the new job gets (`Settings.max_attempts`); None: the column's default.
     """
+    known = known_outcome(session, model.identity, spec, toolchain)
+    if known is not None:
+        return known
     key = key_for(model.identity, spec, toolchain)
-    if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
-        return Submission("hit", key)
-    active = _active_job_id(session, key)
-    if active is not None:
-        return Submission("existing", key, active)
-
     missing = missing_model_files(store, model.identity.values())
     if missing:
         raise ModelMissing(missing)
@@ -109,6 +106,20 @@ def submit(
             raise
         return Submission("existing", key, active)
     return Submission("queued", key, job.id)
+
+
+def known_outcome(
+    session: Session, identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain
+) -> Submission | None:
+    """The hit, or the active job for the same cache key; None when a new job is needed.
+    Reads only the database: what `submit` answers before it needs the store."""
+    key = key_for(identity, spec, toolchain)
+    if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
+        return Submission("hit", key)
+    active = _active_job_id(session, key)
+    if active is not None:
+        return Submission("existing", key, active)
+    return None
 
 
 def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:

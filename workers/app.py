@@ -25,7 +25,11 @@ def make_app(settings: Settings) -> Celery:
         task_ignore_result=True,  # outcomes live in the jobs table
         task_time_limit=hard_limit,
         task_soft_time_limit=hard_limit - 60,
-        worker_max_tasks_per_child=10,  # compile memory goes back to the OS
+        # Compiles run in a child process of their own, whose memory leaves with it, and the
+        # pool process trims what its transfers freed (farm.runner.release_free_memory): a
+        # pool process is replaced rarely, as a guard against slow leaks, since each
+        # replacement stalled the next job by about 4 s (bench/README.md, scaleout).
+        worker_max_tasks_per_child=200,
         # Redis redelivers an unacknowledged message after the visibility timeout: it must
         # exceed the longest task, or a long compile would run twice at once.
         broker_transport_options={"visibility_timeout": hard_limit + 3600},

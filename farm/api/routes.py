@@ -160,27 +160,27 @@ def submit(
     submission_id = uuid.uuid4().hex
     results, to_send = [], []
     with farm.session() as session:
-        size = _model_size(farm.store, body.model)
-        model = service.ModelInfo(dict(body.model), body.model_name, size)
+        model = None  # its size needs the store: asked only when a job is to be created
         for spec in specs:
-            queue = (
-                routing.queue_name(spec.target, size > farm.settings.large_model_bytes)
-                if farm.settings.served
-                else "embedded"
-            )
-            outcome = service.submit(
-                session,
-                farm.store,
-                model,
-                spec,
-                toolchain,
-                queue=queue,
-                submitter=caller.name,
-                submission_id=submission_id,
-                max_attempts=farm.settings.max_attempts,
-            )
-            if outcome.outcome == "queued":
-                to_send.append((outcome.job_id, queue))
+            outcome = service.known_outcome(session, body.model, spec, toolchain)
+            if outcome is None:
+                if model is None:
+                    size = _model_size(farm.store, body.model)
+                    model = service.ModelInfo(dict(body.model), body.model_name, size)
+                queue = _queue_for(farm, spec, model.size_bytes)
+                outcome = service.submit(
+                    session,
+                    farm.store,
+                    model,
+                    spec,
+                    toolchain,
+                    queue=queue,
+                    submitter=caller.name,
+                    submission_id=submission_id,
+                    max_attempts=farm.settings.max_attempts,
+                )
+                if outcome.outcome == "queued":
+                    to_send.append((outcome.job_id, queue))
             results.append(outcome)
         for job_id, queue in to_send:
             if request.app.state.dispatcher is not None:
@@ -218,6 +218,12 @@ async def _stream_into(writer: ObjectWriter, request: Request, declared: int) ->
     if size != declared:
         raise ApiError(400, "incomplete_body", f"got {size} of {declared} bytes")
     await run_in_threadpool(writer.write, bytes(pending))
+
+
+def _queue_for(farm, spec: CompileSpec, model_bytes: int) -> str:
+    if not farm.settings.served:
+        return "embedded"
+    return routing.queue_name(spec.target, model_bytes > farm.settings.large_model_bytes)
 
 
 def _model_size(store, model: dict[str, str]) -> int:
