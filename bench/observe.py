@@ -66,6 +66,11 @@ class WorkDirWatcher:
             time.sleep(POLL_SECONDS)
         raise TimeoutError(f"the folder of job {job_id} was not removed in {timeout} s")
 
+    def child_finished(self, job_id: int) -> bool:
+        """The compile child of the job's (last) folder has written its result."""
+        folders = self.by_job().get(job_id)
+        return bool(folders) and folders[-1].child_done is not None
+
     def by_job(self) -> dict[int, list[JobFolder]]:
         jobs: dict[int, list[JobFolder]] = {}
         for folder in self.folders.values():
