@@ -205,16 +205,17 @@ def submit(
 
 async def _stream_into(writer: ObjectWriter, request: Request, declared: int) -> None:
     """The body goes to the store as it arrives, a store-sized piece at a time, while the next
-    piece is received (the writer blocks when its parts in flight are full: in a thread)."""
-    pending, size = bytearray(), 0
+    piece is received (the writer blocks when its parts in flight are full: in a thread).
+    Pieces of exactly `chunk_bytes` go on without another copy (the host's CPU is the limit)."""
+    pending, size, piece = bytearray(), 0, writer.chunk_bytes
     async for chunk in request.stream():
         size += len(chunk)
         if size > declared:
             raise ApiError(413, "too_large", "body longer than its Content-Length")
         pending += chunk
-        if len(pending) >= writer.chunk_bytes:
-            await run_in_threadpool(writer.write, bytes(pending))
-            pending.clear()
+        if len(pending) >= piece:
+            await run_in_threadpool(writer.write, bytes(memoryview(pending)[:piece]))
+            del pending[:piece]
     if size != declared:
         raise ApiError(400, "incomplete_body", f"got {size} of {declared} bytes")
     await run_in_threadpool(writer.write, bytes(pending))

@@ -264,7 +264,7 @@ class _S3Writer(ObjectWriter):
             return
         self._buffer += data
         while len(self._buffer) >= PART_BYTES:
-            self._send(bytes(self._buffer[:PART_BYTES]))
+            self._send(bytes(memoryview(self._buffer)[:PART_BYTES]))  # one copy, not two
             del self._buffer[:PART_BYTES]
 
     def _send(self, part: bytes) -> None:
