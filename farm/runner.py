@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import logging
@@ -154,15 +153,15 @@ def release_free_memory() -> None:
     """Hand memory freed by transfers back to the OS. glibc keeps freed parts' buffers in the
     transfer threads' arenas, so a long-lived worker grew by ~80 MB over five 512 MB jobs and
     held it through every later compile (bench/README.md, worker_memory). No-op off glibc."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = getattr(_this_process(), "malloc_trim", None)
     if trim is not None:
         trim(0)
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+def _this_process() -> ctypes.CDLL:
+    """The symbols already loaded in this process, libc's among them (no library search)."""
+    return ctypes.CDLL(None)
 
 
 def _fetch_model(
