@@ -19,10 +19,10 @@ import httpx
 from sqlalchemy import func, select
 
 from farm.client import FarmClient
-from farm.compiler import host_toolchain
-from farm.db.models import Blob, Job
-from farm.identity import ModelRef
-from farm.spec import CompileSpec
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec
+from farm.server.db.models import Blob, Job
+from farm.toolchain import host_toolchain
 
 from .common import (
     RUNS,

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from farm.service import blob_storage_key
+from farm.server.jobs.service import blob_storage_key
 
 from .common import (
     MB,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from farm import hashing
-from farm.digests import DigestCache
-from farm.identity import ModelRef
+from farm.core import hashing
+from farm.core.digests import DigestCache
+from farm.core.identity import ModelRef
 
 from .common import MB, RUNS, comparison, log, ratio, scratch, stats, target, write_result
 

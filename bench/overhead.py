@@ -27,12 +27,12 @@ from pathlib import Path
 import boto3
 from sqlalchemy import select
 
-from farm import compiler
+from farm import prepare, toolchain
 from farm.client import ApiError, FarmClient
-from farm.db.models import Job
-from farm.identity import ModelRef
-from farm.service import blob_storage_key, model_storage_key
-from farm.spec import CompileSpec
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec
+from farm.server.db.models import Job
+from farm.server.jobs.service import blob_storage_key, model_storage_key
 
 from .common import (
     MB,
@@ -77,14 +77,14 @@ def timed(function, *args, **kwargs) -> tuple[float, object]:
 
 
 def body_for(ref: ModelRef, spec: CompileSpec) -> dict:
-    toolchain = compiler.host_toolchain(spec.target)
+    host = toolchain.host_toolchain(spec.target)
     return {
         "model": ref.identity,
         "name": ref.name,
         "specs": [{"target": spec.target.name, **spec.canonical()}],
         "toolchain": {
-            "openvino": toolchain.openvino,
-            "runtime_requirements": toolchain.runtime_requirements,
+            "openvino": host.openvino,
+            "runtime_requirements": host.runtime_requirements,
         },
     }
 
@@ -145,7 +145,7 @@ def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
     client = FarmClient(stack.api.url, stack.tokens["submit"])
     started = time.time()
     hash_s, ref = timed(ModelRef.from_path, xml)
-    check_s, _ = timed(compiler.check_model, ref.files, spec)
+    check_s, _ = timed(prepare.check_model, ref.files, spec)
     body = body_for(ref, spec)
     upload_s = 0.0
     asked = time.perf_counter()

@@ -120,7 +120,7 @@ def ov_import_bytes(blob: str) -> dict:
     """The plain way: read the exported bytes, `core.import_model(bytes)`."""
     import openvino as ov
 
-    from farm.blobformat import read_header
+    from farm.core.blobformat import read_header
 
     core = ov.Core()
     with Measured() as measured:
@@ -134,7 +134,7 @@ def ov_import_bytes(blob: str) -> dict:
 
 
 def _agent():
-    import farm.compiler  # noqa: F401 - OpenVINO loaded before measuring, as in the others
+    import farm.server.jobs.compiler  # noqa: F401 - OpenVINO loaded before measuring, as in the others
     from farm.edge import agent_from_settings
 
     return agent_from_settings()
@@ -143,8 +143,8 @@ def _agent():
 def farm_sdk(xml: str) -> dict:
     """The edge SDK from a model path: key, resolve, fetch (cached or downloaded), import,
     pull report: `farm.edge.compile_model(xml, device="CPU")`."""
-    import farm.compiler
     import farm.edge
+    import farm.server.jobs.compiler
 
     with Measured() as measured:
         compiled = farm.edge.compile_model(xml, device="CPU")
@@ -191,7 +191,7 @@ def boto3_get(
 
     import boto3
 
-    import farm.compiler  # noqa: F401 - same resident libraries as the farm side
+    import farm.server.jobs.compiler  # noqa: F401 - same resident libraries as the farm side
 
     client = boto3.client(
         "s3",
@@ -229,8 +229,8 @@ def direct_compile(
     written back to disk while OpenVINO writes the blob."""
     import shutil
 
-    from farm.compiler import compile_to_file
-    from farm.spec import CompileSpec
+    from farm.core.spec import CompileSpec
+    from farm.server.jobs.compiler import compile_to_file
 
     files = {"xml": Path(xml), "bin": Path(xml).with_suffix(".bin")}
     if fresh_copy:
@@ -256,8 +256,8 @@ def direct_compile_many(xmls: list[str], out_dir: str) -> dict:
     """`compile_to_file` for each model in turn, in this one (warm) process."""
     import shutil
 
-    from farm.compiler import compile_to_file
-    from farm.spec import CompileSpec
+    from farm.core.spec import CompileSpec
+    from farm.server.jobs.compiler import compile_to_file
 
     spec = CompileSpec.create("CPU")
     with Measured() as measured:

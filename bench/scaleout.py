@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from farm.client import FarmClient
-from farm.identity import ModelRef
-from farm.spec import CompileSpec
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec
 
 from .common import (
     RUNS,

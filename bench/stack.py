@@ -108,7 +108,7 @@ def served_stack(
 ) -> Iterator[Stack]:
     """A served farm under `root`; `farm worker` processes are started by the caller
     (`stack.farm.start_worker(name)`) and stopped here."""
-    from farm.tokens import create_token
+    from farm.server.tokens import create_token
 
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)

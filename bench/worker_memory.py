@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 
 from farm.client import FarmClient
-from farm.identity import ModelRef
+from farm.core.identity import ModelRef
 
 from .common import (
     MB,
@@ -39,7 +39,7 @@ MODEL_MB = 512
 
 
 def main() -> dict:
-    from farm.spec import CompileSpec
+    from farm.core.spec import CompileSpec
 
     spec = CompileSpec.create("CPU")
     runs = []
@@ -93,7 +93,11 @@ def summarize(runs: list[dict]) -> dict:
     direct = stats([r["direct"]["peak_rss_bytes"] / MB for r in runs])
     child = stats(
         [
-            max(peak for name, peak in r["farm"]["by_process"].items() if "farm.sandbox" in name)
+            max(
+                peak
+                for name, peak in r["farm"]["by_process"].items()
+                if "farm.server.jobs.sandbox" in name
+            )
             / MB
             for r in runs
         ]

@@ -3,16 +3,22 @@ library only: edge-safe)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import os
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from farm.core.errors import ApiError
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
 DOWNLOAD_CHUNK = 1 << 20
@@ -20,14 +26,6 @@ DOWNLOAD_CHUNK = 1 << 20
 DOWNLOAD_TIMEOUT_SECONDS = 60.0
 """A download that receives nothing for this long is broken off (and resumed by the agent)."""
 Progress = Callable[[int], None]
-
-
-class ApiError(Exception):
-    """The API refused a request: `status`, its stable `code`, and the human `message`."""
-
-    def __init__(self, status: int, code: str, message: str, details: dict | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.details = status, code, message, details or {}
 
 
 class FarmClient:
@@ -92,6 +90,34 @@ class FarmClient:
             "/v1/submissions",
             json={"model": model, "model_name": name, "specs": specs, "toolchain": toolchain},
         )
+
+    def submit_model(
+        self,
+        ref: ModelRef,
+        specs: Sequence[CompileSpec],
+        toolchain: Toolchain,
+        uploading: Callable[[int], AbstractContextManager[Progress]] | None = None,
+    ) -> dict:
+        """Submit `ref` for every spec; when a new job needs model files the farm lacks
+        (409 `model_missing`), upload only those, then submit again. A hit uploads nothing.
+        `uploading(total_bytes)` wraps the uploads and yields the progress callback."""
+        body = [{"target": spec.target.name, **spec.canonical()} for spec in specs]
+        wire_toolchain = {
+            "openvino": toolchain.openvino,
+            "runtime_requirements": toolchain.runtime_requirements,
+        }
+        try:
+            return self.submit(dict(ref.identity), ref.name, body, wire_toolchain)
+        except ApiError as error:
+            if error.code != "model_missing":
+                raise
+        missing = set(self.missing(sorted(set(ref.identity.values()))))
+        files = [(sha, ref.files[role]) for role, sha in ref.identity.items() if sha in missing]
+        total = sum(path.stat().st_size for _, path in files)
+        with (uploading or _no_progress)(total) as advance:
+            for sha, path in files:
+                self.upload(sha, path, advance)
+        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain)
 
     # --- jobs ---------------------------------------------------------------------------------
 
@@ -168,6 +194,11 @@ class FarmClient:
             f"/v1/blobs/{cache_key}/pulls",
             json={"agent_id": agent_id, "ok": ok, "import_seconds": import_seconds, "error": error},
         )
+
+
+@contextlib.contextmanager
+def _no_progress(_total: int) -> Iterator[Progress]:
+    yield lambda _count: None
 
 
 def _raise_for_error(response: httpx.Response) -> None:

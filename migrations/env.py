@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from farm.db.models import Base
+from farm.server.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -14,7 +14,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from farm.config import get_settings
+    from farm.core.config import get_settings
 
     return get_settings().resolved_database_url
 
@@ -41,7 +41,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from farm.db.session import make_engine
+    from farm.server.db.session import make_engine
 
     engine = make_engine(_url())
     try:

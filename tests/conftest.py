@@ -78,8 +78,8 @@ def s3_url() -> str:
 
 @pytest.fixture
 def s3_store(s3_url):
-    from farm.storage import StorageError
-    from farm.storage.s3 import S3Settings, S3Store
+    from farm.server.storage import StorageError
+    from farm.server.storage.s3 import S3Settings, S3Store
 
     store = S3Store(S3Settings.from_url(s3_url, endpoint_url=S3_ENDPOINT_URL, **S3_CREDENTIALS))
     try:
@@ -122,7 +122,7 @@ def served_env(tmp_path, postgres_url, redis_url, s3_url, s3_store) -> dict[str,
 
 
 def served_environment(tmp_path: Path, postgres_url: str, redis_url: str, s3_url: str) -> dict:
-    from farm.signing import create_key_pair
+    from farm.core.signing import create_key_pair
 
     signing_key = tmp_path / "keys" / "worker.pem"
     public_key, _ = create_key_pair(signing_key)
@@ -155,7 +155,7 @@ def served(tmp_path, served_env):
 @pytest.fixture
 def api(served, tmp_path):
     """The served farm's HTTP API, and a token per role: `api.tokens["pull"]`, ..."""
-    from farm.tokens import create_token
+    from farm.server.tokens import create_token
     from tests.integration.served import ApiServer
 
     server = ApiServer(served.env, tmp_path / "logs" / "api.log").start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from farm.spec import KNOWN_TARGETS, CompileSpec, Target
+from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target
 
 names = st.sampled_from(["x", "image", "input_ids", "a.b:0"])
 dims = st.lists(st.integers(1, 64), min_size=1, max_size=4)

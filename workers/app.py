@@ -1,4 +1,4 @@
-"""The Celery app, configured for long, heavy, memory-hungry tasks (DESIGN.md §6).
+"""The Celery app, configured for long, heavy, memory-hungry tasks (docs/architecture.md §6).
 
 The database is the source of truth and Celery only the doorbell: messages carry a job id,
 results are not stored, and every setting below errs on the side of redelivering a message
@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from celery import Celery
 
-from farm.config import Settings
+from farm.core.config import Settings
+from farm.core.vocabulary import CONTROL_QUEUE, RECONCILE_TASK
 
 TIME_LIMIT_MARGIN_SECONDS = 300
 """Celery's hard limit sits this far above farm's own compile limit (the sandbox kills first)."""
 
 
 def make_app(settings: Settings) -> Celery:
-    app = Celery("farm", broker=settings.broker_url, include=["workers.tasks"])
+    app = Celery("farm", broker=settings.broker_url, include=["farm.workers.tasks"])
     hard_limit = settings.max_run_seconds + TIME_LIMIT_MARGIN_SECONDS
     app.conf.update(
         task_acks_late=True,  # a message is acknowledged when its job is done, not when taken
@@ -35,14 +36,14 @@ def make_app(settings: Settings) -> Celery:
         broker_transport_options={"visibility_timeout": hard_limit + 3600},
         broker_connection_retry_on_startup=True,
         worker_cancel_long_running_tasks_on_connection_loss=True,
-        task_default_queue="control",
+        task_default_queue=CONTROL_QUEUE,
         task_create_missing_queues=True,
         worker_hijack_root_logger=False,
         beat_schedule={
             "reconcile": {
-                "task": "farm.reconcile",
+                "task": RECONCILE_TASK,
                 "schedule": max(10.0, settings.resend_after_seconds / 2),
-                "options": {"queue": "control"},
+                "options": {"queue": CONTROL_QUEUE},
             }
         },
     )

@@ -8,11 +8,15 @@ import socket
 import threading
 
 from celery import signals
+from farm.workers import tasks
+from farm.workers.app import make_app
 
-from farm import compiler, routing
-from farm.config import Settings
-from farm.doctor import ServiceUnavailable, require_services, signing_check
-from workers.tasks import WORKER_NAME_ENV
+from farm import toolchain
+from farm.core import errors
+from farm.core.config import Settings
+from farm.core.vocabulary import CONTROL_QUEUE
+from farm.server import routing
+from farm.server.doctor import ServiceUnavailable, require_services, signing_check
 
 log = logging.getLogger(__name__)
 
@@ -30,35 +34,32 @@ def run_worker(
     loglevel: str = "INFO",
 ) -> None:
     """Start a Celery worker in this process; returns when it shuts down."""
-    from workers.app import make_app
-    from workers.context import worker_context
-
     require_services(settings)
     signing = signing_check(settings)
     if not signing.ok:
         if settings.signing_key is not None:
             raise ServiceUnavailable(f"{signing.detail} (FARM_SIGNING_KEY)")
         log.warning("%s", signing.detail)
-    probe = compiler.probe_targets()
+    probe = toolchain.probe_targets()
     compilable = [target for target, reason in probe.items() if reason is None]
     if not compilable:
-        raise compiler.CompilerUnavailable(
+        raise errors.CompilerUnavailable(
             "this host compiles no target: " + "; ".join(filter(None, probe.values()))
         )
     memory = settings.worker_memory_bytes or host_memory_bytes()
     queues = [
         *routing.worker_queues(compilable, memory, settings.large_worker_bytes),
-        routing.CONTROL_QUEUE,
+        CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"
-    os.environ[WORKER_NAME_ENV] = name
+    tasks.serve_as(name)  # before the pool forks: every pool process inherits it
     app = make_app(settings)
     stop = threading.Event()
 
     def beat_loop() -> None:
         while not stop.wait(settings.worker_heartbeat_seconds):
             try:
-                with worker_context().sessions() as session:
+                with tasks.context().sessions() as session:
                     routing.heartbeat(session, name)
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
@@ -67,7 +68,7 @@ def run_worker(
     def on_ready(**_: object) -> None:
         import openvino as ov
 
-        with worker_context().sessions() as session:
+        with tasks.context().sessions() as session:
             routing.register_worker(
                 session,
                 name=name,
@@ -85,7 +86,7 @@ def run_worker(
     def on_shutdown(**_: object) -> None:
         stop.set()
         try:
-            with worker_context().sessions() as session:
+            with tasks.context().sessions() as session:
                 routing.mark_stopped(session, name)
         except Exception:
             log.warning("could not mark %s stopped", name, exc_info=True)

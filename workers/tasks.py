@@ -1,4 +1,9 @@
-"""Celery tasks: thin wrappers; the rules live in `farm.runner` and `farm.reconcile`."""
+"""Celery tasks: thin wrappers; the rules live in `farm.server.jobs` (runner, reconcile).
+
+Each pool process builds its own `FarmContext` on first use (connections made before a fork
+are not shared after it), named after the worker that forked it (`serve_as`), so `jobs.worker`
+matches the `workers` table.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,56 @@ import socket
 from celery import shared_task
 from sqlalchemy.exc import OperationalError
 
-from farm.errors import WorkDiskFull
-from farm.storage import StorageError
+from farm.core.config import get_settings
+from farm.core.errors import DatabaseUnavailable, StorageError, WorkDiskFull
+from farm.core.vocabulary import COMPILE_TASK, RECONCILE_TASK
+from farm.server.context import FarmContext
+from farm.server.jobs.dispatch import Dispatcher
+from farm.server.jobs.reconcile import reconcile
 
 log = logging.getLogger(__name__)
 
-WORKER_NAME_ENV = "FARM_WORKER_NAME"
-"""Set by `farm worker` so jobs.worker matches the workers table (pool processes inherit it)."""
-
 INFRASTRUCTURE_ERRORS = (
     StorageError,
-    OperationalError,
+    DatabaseUnavailable,
+    OperationalError,  # the runner's own sessions meet the driver's errors unwrapped
     ConnectionError,
     TimeoutError,
     WorkDiskFull,
 )
+"""Retried with backoff: the job goes back to its queue, bounded by its attempts."""
+
+_worker_name: str | None = None
+_context: FarmContext | None = None
+_dispatcher: tuple[int, Dispatcher] | None = None
+
+
+def serve_as(name: str) -> None:
+    """Name the jobs this worker runs; called by `farm worker` before the pool forks, so every
+    pool process inherits it."""
+    global _worker_name
+    _worker_name = name
+
+
+def context() -> FarmContext:
+    """This process's context, made after the fork that created the process."""
+    global _context
+    if _context is None or _context.pid != os.getpid():
+        name = _worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        _context = FarmContext(get_settings(), worker=name)
+    return _context
+
+
+def dispatcher() -> Dispatcher:
+    """This process's producer connection to the broker, for re-sends (one per process)."""
+    global _dispatcher
+    if _dispatcher is None or _dispatcher[0] != os.getpid():
+        _dispatcher = (os.getpid(), context().dispatcher())
+    return _dispatcher[1]
 
 
 @shared_task(
-    name="farm.compile",
+    name=COMPILE_TASK,
     bind=True,
     acks_late=True,
     autoretry_for=INFRASTRUCTURE_ERRORS,
@@ -37,39 +73,14 @@ INFRASTRUCTURE_ERRORS = (
     max_retries=10,
 )
 def compile_job(self, job_id: int) -> None:
-    from farm.runner import RunLimits, run_job
-    from workers.context import worker_context
-
-    context = worker_context()
-    settings = context.settings
-    job = run_job(
-        context.sessions,
-        context.store,
-        job_id,
-        worker=os.environ.get(WORKER_NAME_ENV) or f"{socket.gethostname()}:{os.getpid()}",
-        limits=RunLimits(
-            settings.lease_seconds,
-            settings.max_run_seconds,
-            settings.resolved_compile_memory_bytes,
-        ),
-        signer=context.signer,
-        model_cache=context.model_cache,
-    )
+    job = context().run(job_id)
     log.info("job %s: %s", job_id, job.state if job else "not found")
 
 
-@shared_task(name="farm.reconcile", ignore_result=True)
+@shared_task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile_jobs() -> None:
-    from farm.reconcile import reconcile
-    from workers.context import worker_context
-
-    context = worker_context()
-    with context.sessions() as session:
-        report = reconcile(
-            session,
-            context.store,
-            context.settings,
-            lambda job_id, queue: context.dispatcher.send(session, job_id, queue),
-        )
+    farm = context()
+    with farm.session() as session:
+        report = reconcile(session, farm.store, farm.settings, dispatcher())
     if any(vars(report).values()):
         log.info("reconciled: %s", report)

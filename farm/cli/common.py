@@ -11,7 +11,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from farm.config import get_settings
+from farm.cli.backends import Backend, open_backend
+from farm.core.config import get_settings
+from farm.core.errors import FarmError, Kind
+from farm.core.text import size_text
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -36,6 +39,21 @@ class FarmCliError(click.ClickException):
         click.echo(f"farm: error: {self.message}", err=True)
 
 
+EXIT_CODES: dict[Kind, int] = {
+    Kind.BAD_INPUT: EXIT_BAD_INPUT,
+    Kind.CONFLICT: EXIT_BAD_INPUT,
+    Kind.NOT_FOUND: EXIT_NOT_FOUND,
+    Kind.CANNOT_RUN_HERE: EXIT_COMPILER_UNAVAILABLE,
+    Kind.INTEGRITY: EXIT_INFRASTRUCTURE,
+    Kind.INFRASTRUCTURE: EXIT_INFRASTRUCTURE,
+    Kind.UNAUTHORIZED: EXIT_UNAUTHORIZED,
+    Kind.FORBIDDEN: EXIT_UNAUTHORIZED,
+    Kind.RATE_LIMITED: EXIT_INFRASTRUCTURE,
+    Kind.JOB_FAILED: EXIT_JOB_FAILED,
+}
+"""The exit code of each kind of error (README "Exit codes"): the CLI's one table."""
+
+
 def handle_errors(command: Callable) -> Callable:
     """Map the errors a user can meet to one clear line and a documented exit code."""
 
@@ -43,76 +61,15 @@ def handle_errors(command: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except click.ClickException:
-            raise
-        except Exception as error:
-            exit_code = exit_code_for(error)
-            if exit_code is None:
-                raise
-            raise FarmCliError(_one_line(error), exit_code) from error
+        except FarmError as error:
+            raise FarmCliError(str(error), EXIT_CODES[error.kind]) from error
 
     return wrapper
 
 
-# Error classes by name and module, so that an edge install (no SQLAlchemy, no boto3) can
-# still map what it meets without importing what it does not have.
-_EXIT_CODES = {
-    "farm.spec.SpecError": EXIT_BAD_INPUT,
-    "farm.hashing.ModelFileError": EXIT_BAD_INPUT,
-    "farm.compiler.CompileError": EXIT_BAD_INPUT,
-    "farm.compiler.ModelError": EXIT_BAD_INPUT,
-    "farm.tokens.TokenError": EXIT_BAD_INPUT,
-    "farm.blobformat.BlobFormatError": EXIT_BAD_INPUT,
-    "farm.edge.cache.CacheError": EXIT_BAD_INPUT,
-    "farm.errors.NotFound": EXIT_NOT_FOUND,
-    "farm.edge.BlobNotAvailable": EXIT_NOT_FOUND,
-    "farm.compiler.CompilerUnavailable": EXIT_COMPILER_UNAVAILABLE,
-    "farm.edge.agent.Incompatible": EXIT_COMPILER_UNAVAILABLE,
-    "farm.edge.agent.DiskFull": EXIT_INFRASTRUCTURE,
-    "farm.signing.SignatureError": EXIT_INFRASTRUCTURE,
-    "farm.signing.KeyFileError": EXIT_BAD_INPUT,
-    "farm.errors.IntegrityMismatch": EXIT_INFRASTRUCTURE,
-    "farm.errors.WorkDiskFull": EXIT_INFRASTRUCTURE,
-    "farm.storage.StorageError": EXIT_INFRASTRUCTURE,
-    "farm.doctor.ServiceUnavailable": EXIT_INFRASTRUCTURE,
-    "sqlalchemy.exc.OperationalError": EXIT_INFRASTRUCTURE,
-}
-
-
-def exit_code_for(error: Exception) -> int | None:
-    from farm.client import ApiError
-
-    if isinstance(error, ApiError):
-        if error.status in (401, 403):
-            return EXIT_UNAUTHORIZED
-        if error.status == 404:
-            return EXIT_NOT_FOUND
-        return EXIT_BAD_INPUT if 400 <= error.status < 500 else EXIT_INFRASTRUCTURE
-    for cls in type(error).__mro__:
-        code = _EXIT_CODES.get(f"{cls.__module__}.{cls.__qualname__}")
-        if code is not None:
-            return code
-    return None
-
-
-def _one_line(error: Exception) -> str:
-    orig = getattr(error, "orig", None)  # SQLAlchemy wraps the driver's error
-    if orig is not None:
-        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        return f"database error (FARM_DATABASE_URL): {first}"
-    return str(error)
-
-
-def backend():
+def backend() -> Backend:
     """The HTTP API when FARM_API_URL is set, else the database and store directly."""
-    from farm.cli.backend import Direct, Http
-
-    settings = get_settings()
-    if settings.api_url:
-        from farm.client import FarmClient
-
-        return Http(FarmClient(settings.api_url, settings.token))
-    return Direct(local_farm())
+    return open_backend(get_settings())
 
 
 def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
@@ -161,12 +118,6 @@ def emit(data: dict[str, Any] | list, as_json: bool, human: Callable[[], None]) 
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         human()
-
-
-def local_farm():
-    from farm.local import LocalFarm
-
-    return LocalFarm.open(get_settings())
 
 
 def check_key(text: str) -> str:
@@ -224,17 +175,3 @@ def progress_bar(description: str, total: int, quiet: bool = False):
     ) as progress:
         task = progress.add_task(description, total=total)
         yield lambda count: progress.advance(task, count)
-
-
-def size_text(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return str(count)
-
-
-def hide_password(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)

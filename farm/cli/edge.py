@@ -17,6 +17,7 @@ from farm.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_NOT_FOUND,
     FarmCliError,
+    backend,
     check_key,
     emit,
     err,
@@ -27,18 +28,17 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
-from farm.spec import SpecError, Target
+from farm.core.config import get_settings
+from farm.core.digests import digest_cache
+from farm.core.identity import ModelRef, key_for
+from farm.core.spec import SpecError, Target
 
 
 def edge_agent():
     """The agent over the API (FARM_API_URL) or, without it, over the embedded farm."""
-    from farm.cli.common import backend
-    from farm.config import get_settings
     from farm.edge import agent_from_settings
 
-    settings = get_settings()
-    farm = backend()
-    return agent_from_settings(settings, getattr(farm, "client", farm))
+    return agent_from_settings(get_settings(), backend())
 
 
 def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None]:
@@ -46,14 +46,14 @@ def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None
     with the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
         return check_key(key_or_model), None
-    from farm.cli.jobs import _digests, specs_from_options
-    from farm.compiler import host_toolchain
-    from farm.identity import ModelRef, key_for
+    from farm.cli.jobs import specs_from_options
+    from farm.toolchain import host_toolchain
 
     specs = specs_from_options(options)
     if len(specs) != 1:
         raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
-    ref = ModelRef.from_path(key_or_model, digests=_digests())
+    digests = digest_cache(get_settings().cache_dir).sha256
+    ref = ModelRef.from_path(key_or_model, digests=digests)
     return key_for(ref.identity, specs[0], host_toolchain(specs[0].target)), ref.files.get("bin")
 
 

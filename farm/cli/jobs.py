@@ -10,6 +10,7 @@ import contextlib
 import functools
 import itertools
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import click
 
 from farm.cli import main
+from farm.cli.backends import Advance, Backend
 from farm.cli.common import (
     EXIT_JOB_FAILED,
     backend,
@@ -32,12 +34,19 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
-from farm.spec import CompileSpec, SpecError
+from farm.core import hashing
+from farm.core.config import get_settings
+from farm.core.digests import digest_cache
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec, SpecError
+from farm.core.vocabulary import FINAL_STATES, JobState
+
+WAIT_POLL_SECONDS = 0.5
 
 
 def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
     """The spec flags as a matrix: `--device 3720,4000 --batch 1,4` gives four specs."""
-    from farm.config import get_settings
+    from farm.core.config import get_settings
 
     devices = _split(options["device"])
     try:
@@ -74,15 +83,6 @@ def _split(value: str | None) -> list[str]:
     return [part.strip() for part in str(value).split(",") if part.strip()] if value else []
 
 
-def _digests():
-    """sha256 of a file through the digest cache (path, size, mtime)."""
-    from farm.config import get_settings
-    from farm.digests import DigestCache
-
-    cache = DigestCache(get_settings().cache_dir / "digests.json")
-    return cache.sha256
-
-
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @spec_options(device_required=True)
@@ -96,56 +96,56 @@ def submit(model: Path, wait: bool, quiet: bool, as_json: bool, **options: Any) 
     Embedded (nothing configured): compiles here, now. Served: queues jobs for workers, through
     the API when FARM_API_URL is set. A blob that already exists is a hit: nothing is uploaded.
     """
-    from farm import compiler, hashing, service
+    # OpenVINO loads only here: the listing commands start without it.
+    from farm import prepare, toolchain
 
     specs = specs_from_options(options)
     files = hashing.model_files(model)
     total = sum(f.stat().st_size for f in files.values())
     with progress_bar(f"hashing {model.name}", total, quiet or as_json) as advance:
-        ref = service.ModelRef.from_path(model, advance, digests=_digests())
+        ref = ModelRef.from_path(
+            model, advance, digests=digest_cache(get_settings().cache_dir).sha256
+        )
     for spec in specs:
-        compiler.check_model(ref.files, spec)
-    toolchain = _toolchain_for(specs)
+        prepare.check_model(ref.files, spec)
+    cpu = next((s.target for s in specs if not s.target.is_npu), None)
+    host = toolchain.host_toolchain(cpu or specs[0].target)
     farm = backend()
-    if hasattr(farm, "client"):
-        upload = functools.partial(progress_bar, f"uploading {model.name}", quiet=quiet or as_json)
-        answer = farm.submit(ref, specs, toolchain, upload)
-    else:
-
-        def compiling(spec):
-            return (
-                contextlib.nullcontext()
-                if quiet or as_json
-                else err.status(f"compiling {ref.name} for {spec.summary()}")
-            )
-
-        answer = farm.submit(ref, specs, toolchain, compiling)
+    answer = farm.submit(ref, specs, host, _SubmitProgress(model.name, quiet or as_json))
     if wait:
         for result in answer["results"]:
-            if result["job"] and result["job"]["state"] not in ("succeeded", "failed", "cancelled"):
+            if result["job"] and result["job"]["state"] not in FINAL_STATES:
                 result["job"] = _wait(farm, result["job"]["id"], quiet or as_json)
     _print_submission(answer, as_json)
     states = [r["job"]["state"] for r in answer["results"] if r["job"]]
-    if any(state in ("failed", "cancelled") for state in states):
+    if any(state in (JobState.FAILED, JobState.CANCELLED) for state in states):
         sys.exit(EXIT_JOB_FAILED)
 
 
-def _toolchain_for(specs: list[CompileSpec]):
-    """This host's toolchain, with the CPU runtime requirements when a spec targets CPU."""
-    from farm import compiler
+class _SubmitProgress:
+    """Progress of a submission on stderr: a bar while uploading, a spinner while compiling."""
 
-    cpu = next((s.target for s in specs if not s.target.is_npu), None)
-    return compiler.host_toolchain(cpu or specs[0].target)
+    def __init__(self, model_name: str, quiet: bool) -> None:
+        self.model_name, self.quiet = model_name, quiet
+
+    def uploading(self, total_bytes: int) -> contextlib.AbstractContextManager[Advance]:
+        return progress_bar(f"uploading {self.model_name}", total_bytes, self.quiet)
+
+    def compiling(self, what: str) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext() if self.quiet else err.status(f"compiling {what}")
 
 
-def _wait(farm, job_id: int, quiet: bool) -> dict:
-    from farm.cli.backend import wait_for
-
+def _wait(farm: Backend, job_id: int, quiet: bool) -> dict[str, Any]:
+    """Poll a job until it reaches a final state."""
     status = contextlib.nullcontext() if quiet else err.status(f"waiting for job {job_id}")
     with status as shown:
-        return wait_for(
-            farm, job_id, lambda state: shown and shown.update(f"job {job_id}: {state}")
-        )
+        while True:
+            job = farm.job(job_id)
+            if job["state"] in FINAL_STATES:
+                return job
+            if shown:
+                shown.update(f"job {job_id}: {job['state']}")
+            time.sleep(WAIT_POLL_SECONDS)
 
 
 def _print_submission(answer: dict, as_json: bool) -> None:
@@ -176,7 +176,7 @@ def _print_submission(answer: dict, as_json: bool) -> None:
 @handle_errors
 def status(job_or_key: str, as_json: bool) -> None:
     """Show a job (by number) or a cache key (its blob, or its latest job)."""
-    from farm.errors import NotFound
+    from farm.core.errors import NotFound
 
     farm = backend()
     if job_or_key.isdigit():

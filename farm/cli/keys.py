@@ -8,7 +8,7 @@ import click
 
 from farm.cli import main
 from farm.cli.common import emit, handle_errors, json_option, out
-from farm.config import get_settings
+from farm.core.config import get_settings
 
 
 @main.group()
@@ -27,7 +27,7 @@ def keys() -> None:
 @handle_errors
 def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
     """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
-    from farm.signing import KeyFileError, Signer, create_key_pair, public_key_path
+    from farm.core.signing import KeyFileError, Signer, create_key_pair, public_key_path
 
     settings = get_settings()
     path = path or settings.signing_key or settings.embedded_signing_key
@@ -53,7 +53,7 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
 @handle_errors
 def keys_show(as_json: bool) -> None:
     """This host's signing key (if any) and the keys it trusts."""
-    from farm.signing import Signer, TrustedKeys, public_key_path
+    from farm.core.signing import Signer, TrustedKeys, public_key_path
 
     settings = get_settings()
     signing = settings.resolved_signing_key

@@ -12,12 +12,19 @@ from farm.cli.common import (
     emit,
     err,
     handle_errors,
-    hide_password,
     json_option,
-    local_farm,
     out,
+    size_text,
 )
-from farm.config import get_settings
+from farm.core.config import get_settings
+from farm.core.text import mask_url
+
+
+def _direct():
+    """The farm's database and store, straight (the operator commands need farm[embedded])."""
+    from farm.cli.backends.direct import Direct
+
+    return Direct.open(get_settings())
 
 
 @main.command()
@@ -35,7 +42,7 @@ from farm.config import get_settings
 @handle_errors
 def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> None:
     """Run a compile worker: probe the targets this host compiles and serve their queues."""
-    from workers.main import run_worker
+    from farm.cli.backends.direct import run_worker
 
     settings = get_settings()
     if not settings.served:
@@ -50,10 +57,9 @@ def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> Non
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host has (OpenVINO, devices, NPU libraries, targets) and which services answer."""
-    from farm.doctor import openvino_checks, service_checks, signing_check
+    from farm.cli.backends.direct import host_checks
 
-    settings = get_settings()
-    checks = [*openvino_checks(), signing_check(settings), *service_checks(settings)]
+    checks = host_checks(get_settings())
     rows = [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks]
 
     def human() -> None:
@@ -72,25 +78,13 @@ def doctor(as_json: bool) -> None:
 @handle_errors
 def reconcile(as_json: bool) -> None:
     """One reconciler pass: re-send lost messages, take back expired leases, fail stuck jobs."""
-    from dataclasses import asdict
-
-    from farm.reconcile import reconcile as reconcile_once
-
-    farm = local_farm()
-    with farm.session() as session:
-        dispatcher = farm.dispatcher() if farm.settings.served else None
-
-        def send(job_id: int, queue: str) -> None:
-            if dispatcher is not None:
-                dispatcher.send(session, job_id, queue)
-
-        report = reconcile_once(session, farm.store, farm.settings, send)
+    report = _direct().reconcile()
     emit(
-        asdict(report),
+        report,
         as_json,
         lambda: out.print(
-            f"failed {report.failed}, taken back {report.taken_back}, re-sent {report.resent}, "
-            f"aborted uploads {len(report.aborted_uploads)}"
+            f"failed {report['failed']}, taken back {report['taken_back']}, "
+            f"re-sent {report['resent']}, aborted uploads {len(report['aborted_uploads'])}"
         ),
     )
 
@@ -107,12 +101,7 @@ def reconcile(as_json: bool) -> None:
 @handle_errors
 def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
     """Delete blobs no edge has pulled for N days, from the database and from storage."""
-    from farm.cli.common import size_text
-    from farm.gc import collect
-
-    farm = local_farm()
-    with farm.session() as session:
-        report = collect(session, farm.store, unpulled_days, dry_run)
+    report = _direct().collect_garbage(unpulled_days, dry_run)
 
     def human() -> None:
         verb = "would delete" if dry_run else "deleted"
@@ -144,11 +133,11 @@ def db() -> None:
 @handle_errors
 def db_upgrade(as_json: bool) -> None:
     """Bring the database schema to the latest migration."""
-    from farm.db.session import upgrade_database
+    from farm.cli.backends.direct import upgrade_schema
 
-    url = get_settings().resolved_database_url
-    revision = upgrade_database(url)
-    shown = hide_password(url)
+    settings = get_settings()
+    revision = upgrade_schema(settings)
+    shown = mask_url(settings.resolved_database_url)
     emit(
         {"database": shown, "revision": revision},
         as_json,
@@ -163,16 +152,9 @@ def db_upgrade(as_json: bool) -> None:
 @handle_errors
 def api(host: str, port: int, processes: int) -> None:
     """Serve the HTTP API (uvicorn)."""
-    import uvicorn
+    from farm.cli.backends.direct import serve_api
 
-    uvicorn.run(
-        "farm.api.main:app",
-        host=host,
-        port=port,
-        workers=processes,
-        proxy_headers=True,
-        log_level="info",
-    )
+    serve_api(host, port, processes)
 
 
 @main.group()
@@ -197,15 +179,12 @@ def token_create(
     name: str, role: str, expires_in: float | None, expires: datetime | None, as_json: bool
 ) -> None:
     """Create a token; it is printed once and never stored."""
-    from farm.tokens import create_token
-
     if expires_in is not None and expires is not None:
         raise click.UsageError("give --expires-in or --expires, not both")
     expires_at = expires.replace(tzinfo=UTC) if expires else None
     if expires_in is not None:
         expires_at = datetime.now(UTC) + timedelta(days=expires_in)
-    with local_farm().session() as session:
-        secret = create_token(session, name, role, expires_at)
+    secret = _direct().create_token(name, role, expires_at)
     emit(
         {"name": name, "role": role, "expires_at": expires_at, "token": secret},
         as_json,
@@ -219,10 +198,7 @@ def token_create(
 @handle_errors
 def token_revoke(name: str, as_json: bool) -> None:
     """Revoke the token called NAME; requests with it get 401 from now on."""
-    from farm.tokens import revoke_token
-
-    with local_farm().session() as session:
-        revoked_at = revoke_token(session, name)
+    revoked_at = _direct().revoke_token(name)
     emit({"name": name, "revoked_at": revoked_at}, as_json, lambda: out.print(f"revoked {name}"))
 
 
@@ -231,21 +207,18 @@ def token_revoke(name: str, as_json: bool) -> None:
 @handle_errors
 def token_list(as_json: bool) -> None:
     """List tokens (names and roles; the tokens themselves are not stored)."""
-    from farm.tokens import list_tokens
-
     at = datetime.now(UTC)
-    with local_farm().session() as session:
-        rows = [
-            {
-                "name": t.name,
-                "role": t.role,
-                "created_at": t.created_at,
-                "revoked_at": t.revoked_at,
-                "expires_at": t.expires_at,
-                "state": _token_state(t, at),
-            }
-            for t in list_tokens(session)
-        ]
+    rows = [
+        {
+            "name": t.name,
+            "role": t.role,
+            "created_at": t.created_at,
+            "revoked_at": t.revoked_at,
+            "expires_at": t.expires_at,
+            "state": _token_state(t, at),
+        }
+        for t in _direct().list_tokens()
+    ]
 
     def human() -> None:
         for r in rows:

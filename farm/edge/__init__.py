@@ -9,16 +9,23 @@ Needs `FARM_API_URL` (and a `pull` token in `FARM_TOKEN`); installs with ``farm[
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
-from farm.config import Settings, get_settings
-from farm.signing import TrustedKeys, public_key_path
+import openvino as ov
 
-from .agent import EdgeAgent, Incompatible
-from .cache import BlobCache
-from .importer import ImportedBlob, import_blob, infer_once
+from farm.client import FarmClient
+from farm.core.config import Settings, get_settings
+from farm.core.digests import digest_cache
+from farm.core.errors import BlobNotAvailable, Incompatible, NotFound
+from farm.core.filecache import BlobCache
+from farm.core.identity import ModelRef, key_for
+from farm.core.signing import TrustedKeys, public_key_path
+from farm.core.spec import CompileSpec
+from farm.edge.agent import EdgeAgent
+from farm.edge.importer import ImportedBlob, import_blob, infer_once
+from farm.prepare import apply_shapes, read_model
+from farm.toolchain import compile_properties, host_toolchain
 
 __all__ = [
     "BlobNotAvailable",
@@ -32,18 +39,12 @@ __all__ = [
 ]
 
 
-class BlobNotAvailable(LookupError):
-    """The farm has no blob for this model and spec yet (and no local compile was allowed)."""
-
-
 def agent_from_settings(settings: Settings | None = None, source: Any = None) -> EdgeAgent:
     """An agent on this machine's cache (`FARM_CACHE_DIR`) talking to `FARM_API_URL`, or to
     `source` (the embedded farm), trusting the keys of `FARM_TRUSTED_KEYS`."""
     settings = settings or get_settings()
     trusted = settings.trusted_key_paths
     if source is None:
-        from farm.client import FarmClient
-
         if not settings.api_url:
             raise BlobNotAvailable("set FARM_API_URL (and FARM_TOKEN) to pull from a farm")
         source = FarmClient(settings.api_url, settings.token)
@@ -72,16 +73,10 @@ def compile_model(
     `submit=True` also submits the model, so the rest of the fleet gets the blob).
     The returned model keeps its memory-mapped blob (and cache lease) alive as long as it lives.
     """
-    from farm.compiler import host_toolchain
-    from farm.digests import DigestCache
-    from farm.errors import NotFound
-    from farm.identity import ModelRef, key_for
-    from farm.spec import CompileSpec
-
     compile_spec = CompileSpec.create(device, **spec)
     # Digests through the cache `farm submit` and `farm pull MODEL` use (path, size, mtime):
     # hashing a 512 MB .bin on every start took as long as importing the blob (bench/edge.py).
-    digests = DigestCache(get_settings().cache_dir / "digests.json")
+    digests = digest_cache(get_settings().cache_dir)
     ref = ModelRef.from_path(model_path, digests=digests.sha256)
     key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target))
     owned = agent is None
@@ -104,16 +99,11 @@ def compile_model(
     return imported.compiled
 
 
-def _compile_here(ref, spec, submit_with: EdgeAgent | None):
-    import openvino as ov
-
-    from farm.compiler import apply_shapes, compile_properties, host_toolchain, read_model
-
+def _compile_here(ref: ModelRef, spec: CompileSpec, submit_with: EdgeAgent | None) -> Any:
     if submit_with is not None:
-        from farm.cli.backend import Http
-
-        quiet = lambda total: contextlib.nullcontext(lambda count: None)  # noqa: E731
-        Http(submit_with.source).submit(ref, [spec], host_toolchain(spec.target), quiet)
+        if not isinstance(submit_with.source, FarmClient):
+            raise BlobNotAvailable("submit=True needs the farm API (FARM_API_URL)")
+        submit_with.source.submit_model(ref, [spec], host_toolchain(spec.target))
     core = ov.Core()
     model = read_model(core, ref.files)
     apply_shapes(model, spec)

@@ -1,5 +1,5 @@
 """The edge agent: resolve a cache key, check the blob fits this machine, download it (resumed,
-verified) into the local cache, import it, and report the pull. DESIGN.md §10.
+verified) into the local cache, import it, and report the pull. docs/architecture.md §10.
 
 The agent talks to a `BlobSource`: the farm API's `FarmClient` on an edge, or the farm's own
 database and store for an operator on the farm's network. Edge-safe: no SQLAlchemy, Celery,
@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from farm import hashing
-from farm.errors import IntegrityMismatch, NotFound
-from farm.signing import TrustedKeys
-from farm.spec import Target, Toolchain
-
-from .cache import BlobCache
+from farm.core import hashing
+from farm.core.errors import ApiError, DiskFull, Incompatible, IntegrityMismatch, NotFound
+from farm.core.filecache import BlobCache
+from farm.core.signing import TrustedKeys
+from farm.core.spec import Target, Toolchain
+from farm.edge.importer import import_blob
+from farm.toolchain import host_toolchain
 
 DOWNLOAD_ATTEMPTS = 5
 """Tries of one download; each resumes where the last broke off."""
@@ -33,14 +34,6 @@ DISK_MARGIN_BYTES = 64 * 2**20
 """Free space kept besides the blob itself: a download that would fill the disk is refused."""
 
 Progress = Callable[[int], None] | None
-
-
-class Incompatible(Exception):
-    """The blob cannot be imported on this machine; nothing was downloaded."""
-
-
-class DiskFull(OSError):
-    """Not enough room in the cache for the blob; nothing was kept."""
 
 
 class BlobSource(Protocol):
@@ -114,8 +107,6 @@ class EdgeAgent:
         toolchain: Callable[[Target], Toolchain] | None = None,
     ) -> None:
         """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs."""
-        from farm.compiler import host_toolchain
-
         self.source = source
         self.cache = cache
         self.trust = trust
@@ -170,8 +161,6 @@ class EdgeAgent:
         blob: dict | None = None,
     ):
         """Fetch, import from a memory map, report the pull: an `ImportedBlob`."""
-        from .importer import import_blob
-
         fetched = self.fetch(cache_key, blob=blob)
         blob = fetched.blob
         device = device or Target.parse(blob["target"]).device
@@ -205,8 +194,6 @@ class EdgeAgent:
 
     def _download(self, cache_key: str, partial: Path, size: int, progress: Progress) -> str | None:
         """Download with retries; the sha256 of the file if the source computed it."""
-        from farm.client import ApiError
-
         if _size(partial) > size:
             partial.unlink()  # not a prefix of this blob
         pause = RETRY_BACKOFF_SECONDS

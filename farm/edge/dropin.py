@@ -8,7 +8,7 @@ A farm blob already is an OpenVINO cache entry (`farm.blobformat`). One field of
 - ``compile_model("model.xml", ...)``: a hash of the absolute path, mtime and size of that
   file (`ModelCache::calculate_file_info`, src/inference/src/dev/compilation_context.cpp).
   `write_cache_entry(..., for_model=path)` rewrites the header for that file.
-Otherwise OpenVINO treats the entry as stale, deletes it and compiles (OPENVINO_NOTES.md).
+Otherwise OpenVINO treats the entry as stale, deletes it and compiles (docs/openvino.md).
 
 Note: the path hash is libstdc++'s ``std::hash<std::string>`` (Linux builds of OpenVINO);
 Windows builds hash differently and need the app to pass an ``ov.Model``.
@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from farm.blobformat import read_header
+from farm.core.blobformat import read_header
 
 _MASK = (1 << 64) - 1
 _MURMUR_MUL = 0xC6A4A7935BD1E995

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import openvino as ov
 
-from farm.blobformat import read_header
+from farm.core.blobformat import read_header
 
 DROP_BEHIND_SECONDS = 0.01
 """While OpenVINO imports, the blob's mapped pages are released from this process this often."""

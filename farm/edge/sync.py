@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from farm.errors import NotFound
-from farm.spec import CompileSpec, SpecError
-
-from .agent import EdgeAgent, Incompatible
+from farm.core.errors import Incompatible, NotFound
+from farm.core.identity import ModelRef, key_for
+from farm.core.spec import CompileSpec, SpecError
+from farm.edge.agent import EdgeAgent
+from farm.toolchain import host_toolchain
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,6 @@ def load_manifest(path: Path) -> list[ManifestEntry]:
 
 def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -> list[SyncResult]:
     """One pass over the manifest; a failure of one entry never stops the others."""
-    from farm.compiler import host_toolchain
-    from farm.identity import ModelRef, key_for
-
     results = []
     for entry in entries:
         label, summary, key = str(entry.model), entry.spec.summary(), None

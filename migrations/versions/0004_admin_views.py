@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
-from migrations.checks import sha256_check
+from farm.migrations.checks import sha256_check
 
 revision = "0004"
 down_revision = "0003"

@@ -21,9 +21,9 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from farm.client import FarmClient
-from farm.config import Settings
-from farm.db.session import make_engine, make_session_factory, upgrade_database
-from farm.tokens import create_token
+from farm.core.config import Settings
+from farm.server.db.session import make_engine, make_session_factory, upgrade_database
+from farm.server.tokens import create_token
 from tests import models
 from tests.integration.served import ApiServer
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from farm.config import Settings
-from farm.db.models import Blob, Job, Worker
-from farm.db.session import make_engine, make_session_factory, upgrade_database
-from farm.storage import open_store
+from farm.core.config import Settings
+from farm.server.db.models import Blob, Job, Worker
+from farm.server.db.session import make_engine, make_session_factory, upgrade_database
+from farm.server.storage import open_store
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 60, what: str = "condition"):
@@ -177,3 +177,38 @@ class ApiServer:
 
     def requests_logged(self, fragment: str) -> int:
         return self.log.read_text(errors="replace").count(fragment)
+
+
+def submit_ref(farm, ref, spec, *, dispatcher=None, submitter=None):
+    """One spec through the farm's one submit use case (`submit_matrix`), as the CLI and the API
+    submit; with no `dispatcher` the new job's message is never sent (a lost message)."""
+    from farm.server.jobs import service
+    from farm.server.jobs.dispatch import StubDispatcher
+    from farm.toolchain import host_toolchain
+
+    with farm.sessions() as session:
+        submitted = service.submit_matrix(
+            session,
+            farm.store,
+            farm.settings,
+            dispatcher or StubDispatcher(),
+            ref.identity,
+            [spec],
+            host_toolchain(spec.target),
+            describe_model=lambda: ref.info,
+            upload_from=ref,
+            submitter=submitter,
+        )
+    return submitted.results[0][1]
+
+
+def send(farm, job_id: int, queue: str = "compile.cpu") -> None:
+    """Send a job's message through the broker, as `submit_matrix` and the reconciler do."""
+    from farm.server.jobs.dispatch import CeleryDispatcher, dispatch
+
+    dispatcher = CeleryDispatcher(farm.settings)
+    try:
+        with farm.sessions() as session:
+            dispatch(session, dispatcher, job_id, queue)
+    finally:
+        dispatcher.close()

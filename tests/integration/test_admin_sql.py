@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, select, text
 
-from farm import routing
-from farm.db.models import Blob, Job, Pull
-from farm.db.session import make_engine, upgrade_database
+from farm.server import routing
+from farm.server.db.models import Blob, Job, Pull
+from farm.server.db.session import make_engine, upgrade_database
 from tests import models
 from tests.integration.admin_farm import admin_farm
 

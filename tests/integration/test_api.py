@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from farm.db.models import Blob, Job, Pull
+from farm.server.db.models import Blob, Job, Pull
 from tests import models
 
 ZERO_KEY = "0" * 64
@@ -97,16 +97,12 @@ def test_cli_over_http_submit_wait_status_logs_pull_and_a_hit_uploads_nothing(
 
 def _queue_job(served, xml, device: str, submitter: str, **spec):
     """A queued job made through the service layer, as the API makes it (never sent)."""
-    from farm import service
-    from farm.compiler import host_toolchain
-    from farm.spec import CompileSpec
+    from farm.core.identity import ModelRef
+    from farm.core.spec import CompileSpec
+    from tests.integration.served import submit_ref
 
     spec = CompileSpec.create(device, **spec)
-    ref = service.ModelRef.from_path(xml)
-    with served.sessions() as session:
-        return service.submit_from_disk(
-            session, served.store, ref, spec, host_toolchain(spec.target), submitter=submitter
-        )
+    return submit_ref(served, ModelRef.from_path(xml), spec, submitter=submitter)
 
 
 def test_job_list_filters_over_http_and_status_by_cache_key(served, api, tmp_path):
@@ -114,7 +110,7 @@ def test_job_list_filters_over_http_and_status_by_cache_key(served, api, tmp_pat
 
     from sqlalchemy import update
 
-    from farm import hashing
+    from farm.core import hashing
 
     one = models.save_ir(models.conv_net(seed=1), tmp_path / "one" / "one.xml")
     two = models.save_ir(models.conv_net(seed=2), tmp_path / "two" / "two.xml")
@@ -168,9 +164,9 @@ def test_job_list_filters_over_http_and_status_by_cache_key(served, api, tmp_pat
 
 
 def service_identity(xml) -> dict[str, str]:
-    from farm import service
+    from farm.core.identity import ModelRef
 
-    return service.ModelRef.from_path(xml).identity
+    return ModelRef.from_path(xml).identity
 
 
 def test_matrix_submit_makes_one_job_per_combination(served, api, tmp_path):
@@ -418,7 +414,7 @@ def test_bad_submissions_are_4xx_and_store_nothing(served, api, body, content_ty
 
 
 def test_limits_refuse_clearly(served, tmp_path):
-    from farm.tokens import create_token
+    from farm.server.tokens import create_token
     from tests.integration.served import ApiServer
 
     env = {

@@ -187,7 +187,7 @@ def test_jobs_since_filters_by_creation_time_in_utc(farm_home, conv_xml):
 def test_db_upgrade_and_logs_answer_in_json(farm_home, conv_xml):
     from alembic.script import ScriptDirectory
 
-    from farm.db.session import alembic_config
+    from farm.server.db.session import alembic_config
 
     url = f"sqlite:///{farm_home / 'farm.db'}"
     head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
@@ -205,8 +205,8 @@ def test_db_upgrade_and_logs_answer_in_json(farm_home, conv_xml):
 def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_targets(farm_home):
     import openvino as ov
 
-    from farm.compiler import NPU_COMPILER_LIBRARY
-    from farm.spec import KNOWN_TARGETS
+    from farm.core.spec import KNOWN_TARGETS
+    from farm.toolchain import NPU_COMPILER_LIBRARY
 
     libs = Path(ov.__file__).parent / "libs"
     found = {

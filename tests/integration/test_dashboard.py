@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from farm import routing
-from farm.api.dashboard_html import FAILED_RGB
-from farm.tokens import create_token, revoke_token
+from farm.server import routing
+from farm.server.api.dashboard_html import FAILED_RGB
+from farm.server.tokens import create_token, revoke_token
 from tests import models
 from tests.integration.admin_farm import admin_farm
 from tests.integration.chromium import Chromium, chromium_path

@@ -9,8 +9,8 @@ from sqlalchemy import update
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session
 
-from farm.db.models import Blob, Job, Model
-from farm.db.session import make_engine, make_session_factory, upgrade_database
+from farm.server.db.models import Blob, Job, Model
+from farm.server.db.session import make_engine, make_session_factory, upgrade_database
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = "ab" * 32

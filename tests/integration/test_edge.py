@@ -16,9 +16,9 @@ from pathlib import Path
 import openvino as ov
 import pytest
 
-from farm.config import Settings
-from farm.local import LocalFarm
-from farm.tokens import create_token
+from farm.core.config import Settings
+from farm.server.context import FarmContext
+from farm.server.tokens import create_token
 from tests import models
 from tests.integration.faults import TcpProxy, free_port
 from tests.integration.served import ApiServer, wait_until
@@ -81,7 +81,7 @@ def edge_farm(tmp_path) -> EdgeFarm:
     env = {"FARM_HOME": str(home)}
     xml = models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
     key = ok_json(env, "submit", str(xml), "--device", "CPU")["cache_key"]
-    farm = LocalFarm.open(Settings(home=home))
+    farm = FarmContext.open(Settings(home=home))
     with farm.session() as session:
         tokens = {role: create_token(session, f"t-{role}", role) for role in ("pull", "submit")}
     farm.sessions.kw["bind"].dispose()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from farm.db.models import Pull
+from farm.server.db.models import Pull
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[2]

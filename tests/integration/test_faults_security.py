@@ -25,20 +25,21 @@ from urllib.parse import urlparse
 import pytest
 from sqlalchemy import update
 
-from farm import service
-from farm.cli.backend import Http
 from farm.client import ApiError, FarmClient
-from farm.compiler import host_toolchain
-from farm.db.models import Blob, Job, Model, Pull
-from farm.dispatch import Dispatcher
-from farm.runner import run_job
-from farm.signing import load_signer
-from farm.spec import CompileSpec
-from farm.tokens import create_token
+from farm.core.clock import now
+from farm.core.identity import ModelRef
+from farm.core.signing import load_signer
+from farm.core.spec import CompileSpec
+from farm.server.db.models import Blob, Job, Model, Pull
+from farm.server.jobs.runner import run_job
+from farm.server.storage import blob_storage_key, model_storage_key
+from farm.server.tokens import create_token
+from farm.toolchain import host_toolchain
 from tests import models
 from tests.conftest import S3_ENDPOINT_URL, service_missing
 from tests.integration.faults import PrivatePostgres, PrivateRedis, TcpProxy, tiny_disk_command
 from tests.integration.served import ApiServer, ServedFarm, wait_until
+from tests.integration.served import send as send_job
 from tests.integration.test_served import submit_direct
 
 
@@ -105,7 +106,7 @@ most) cannot hold what the API has not read, so it has read over one 16 MiB part
 def receiving_upload(farm: ServedFarm, sha256: str) -> bool:
     """The API is past authentication and streaming the file's parts into the store."""
     store = farm.store
-    key = store._key(service.model_storage_key(sha256))
+    key = store._key(model_storage_key(sha256))
     uploads = store.client.list_multipart_uploads(Bucket=store.bucket, Prefix=key)
     return bool(uploads.get("Uploads"))
 
@@ -132,7 +133,7 @@ def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres
         with farm.sessions() as session:
             token = create_token(session, "submitter", "submit")
         xml = models.save_ir(models.large_net(UPLOAD_MODEL_MB), tmp_path / "m" / "m.xml")
-        ref = service.ModelRef.from_path(xml)
+        ref = ModelRef.from_path(xml)
         spec = CompileSpec.create("CPU")
         chunks = 0
 
@@ -150,7 +151,7 @@ def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres
             yield advance
 
         with FarmClient(api.url, token) as client, pytest.raises(ApiError) as refused:
-            Http(client).submit(ref, [spec], host_toolchain(spec.target), on_upload)
+            client.submit_model(ref, [spec], host_toolchain(spec.target), on_upload)
         # The .bin went up whole (an upload in flight needs no database); the .xml's upload
         # was refused at its authentication.
         assert (refused.value.status, refused.value.code) == (503, "database_unavailable")
@@ -160,7 +161,7 @@ def test_postgres_stopped_during_a_submit(tmp_path, served_env, private_postgres
         # Lost: nothing. Duplicated: nothing. The .bin stays stored (content-addressed, whole,
         # verified); the refused submission wrote no row.
         assert census(farm) == holding(model_objects=1)
-        stored = farm.store.stat(service.model_storage_key(ref.identity["bin"]))
+        stored = farm.store.stat(model_storage_key(ref.identity["bin"]))
         assert (stored.size, stored.sha256) == (
             ref.files["bin"].stat().st_size,
             ref.identity["bin"],
@@ -190,7 +191,7 @@ def test_postgres_stopped_during_a_jobs_finish(tmp_path, served_env, private_pos
         farm.start_worker("w1", env={"TMPDIR": str(work)})
         xml = models.save_ir(models.large_net(64), tmp_path / "m" / "m.xml")
         submission = submit_direct(farm, xml)
-        job_id, key = submission.job_id, service.blob_storage_key(submission.cache_key)
+        job_id, key = submission.job_id, blob_storage_key(submission.cache_key)
         # The compile's request is written just before its child process starts.
         wait_until(lambda: any(work.glob("farm-job-*/*.request.json")), 60, "the compile")
         private_postgres.stop()  # the compile (~1.5 s) goes on; its finish meets no database
@@ -223,7 +224,7 @@ def _finished_or_reconciled(farm: ServedFarm, job_id: int):
     job = farm.job(job_id)
     if job.state in ("succeeded", "failed"):
         return job
-    if job.state == "running" and job.lease_expires_at and job.lease_expires_at < service.now():
+    if job.state == "running" and job.lease_expires_at and job.lease_expires_at < now():
         farm.farm("reconcile")
     return None
 
@@ -326,13 +327,11 @@ def test_worker_temporary_disk_full(tmp_path, served_env, broker):
     try:
         worker = farm.start_worker("w1", env={"TMPDIR": str(disk)}, prefix=prefix)
         failing = [submit_direct(farm, xml, send=False).job_id for xml in (fits, too_big)]
-        dispatcher = Dispatcher(farm.settings)
         with farm.sessions() as session:  # two attempts each, not three: a shorter test
             session.execute(update(Job).values(max_attempts=2))
             session.commit()
-            for job_id in failing:
-                dispatcher.send(session, job_id, "compile.cpu")
-        dispatcher.close()
+        for job_id in failing:
+            send_job(farm, job_id)
         for job_id in failing:
             job = farm.wait_job(job_id, timeout=90)
             assert job.state == "failed", (kind, job.error)
@@ -368,7 +367,7 @@ def test_api_killed_during_an_upload(tmp_path, served_env, broker):
         with farm.sessions() as session:
             token = create_token(session, "submitter", "submit")
         xml = models.save_ir(models.large_net(UPLOAD_MODEL_MB), tmp_path / "m" / "m.xml")
-        ref = service.ModelRef.from_path(xml)
+        ref = ModelRef.from_path(xml)
         chunks = 0
 
         def progress(_: int) -> None:
@@ -388,10 +387,10 @@ def test_api_killed_during_an_upload(tmp_path, served_env, broker):
         # the killed process sent stay in an unfinished upload, which the reconciler aborts
         # (after FARM_MAX_RUN_SECONDS; here at once). The API kept nothing on its own disk.
         assert census(farm) == holding(unfinished_uploads=1)
-        assert not farm.store.exists(service.model_storage_key(ref.identity["bin"]))
+        assert not farm.store.exists(model_storage_key(ref.identity["bin"]))
         assert list(api_tmp.iterdir()) == []
         aborted = farm.store.abort_stale_uploads(timedelta(0))
-        assert aborted == [farm.store._key(service.model_storage_key(ref.identity["bin"]))]
+        assert aborted == [farm.store._key(model_storage_key(ref.identity["bin"]))]
         assert census(farm) == holding()
 
         answer = farm.farm_json(
@@ -400,7 +399,7 @@ def test_api_killed_during_an_upload(tmp_path, served_env, broker):
         assert answer["outcome"] == "queued"
         assert census(farm) == holding(jobs=1, models=1, model_objects=2)
         for role, sha in ref.identity.items():
-            stored = farm.store.stat(service.model_storage_key(sha))
+            stored = farm.store.stat(model_storage_key(sha))
             assert (stored.size, stored.sha256) == (ref.files[role].stat().st_size, sha)
     finally:
         api.stop()

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from farm.db.models import Blob, BlobDeletion, Pull
+from farm.server.db.models import Blob, BlobDeletion, Pull
 from tests import models
 from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
 from tests.integration.admin_farm import AdminFarm, admin_farm, farm_cli
@@ -36,8 +36,8 @@ def s3_env(database_url: str, store, secret: str = S3_CREDENTIALS["secret_access
 
 def stored_blob_keys(farm: AdminFarm) -> set[str]:
     """Cache keys of the blob objects in the store, listed from the store itself."""
-    from farm.storage import open_store
-    from farm.storage.s3 import S3Store
+    from farm.server.storage import open_store
+    from farm.server.storage.s3 import S3Store
 
     store = open_store(farm.env["FARM_STORAGE_URL"], farm.settings)
     if isinstance(store, S3Store):

@@ -34,7 +34,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select, update
 
-from farm.db.models import ApiToken, Blob, Job, Model
+from farm.server.db.models import ApiToken, Blob, Job, Model
 from tests import hostile, models
 from tests.integration.served import wait_until
 
@@ -250,9 +250,9 @@ class HostileFarm:
 
 @pytest.fixture(scope="module")
 def served_farm(tmp_path_factory):
-    from farm.storage import StorageError
-    from farm.storage.s3 import S3Settings, S3Store
-    from farm.tokens import create_token, revoke_token
+    from farm.server.storage import StorageError
+    from farm.server.storage.s3 import S3Settings, S3Store
+    from farm.server.tokens import create_token, revoke_token
     from tests.conftest import (
         S3_CREDENTIALS,
         S3_ENDPOINT_URL,
@@ -301,8 +301,8 @@ def served_farm(tmp_path_factory):
 
 
 def _toolchain() -> dict:
-    from farm.compiler import host_toolchain
-    from farm.spec import Target
+    from farm.core.spec import Target
+    from farm.toolchain import host_toolchain
 
     toolchain = host_toolchain(Target.parse("CPU"))
     return {"openvino": toolchain.openvino, "runtime_requirements": toolchain.runtime_requirements}
@@ -503,7 +503,7 @@ WORKER_CASES = (
 
 
 def _upload_and_submit(served_farm: HostileFarm, path: Path) -> dict:
-    from farm.hashing import model_files, sha256_file
+    from farm.core.hashing import model_files, sha256_file
 
     files = model_files(path)
     identity = {role: sha256_file(file) for role, file in files.items()}

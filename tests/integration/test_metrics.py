@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from farm.db.models import Job
+from farm.server.db.models import Job
 from tests import models
 from tests.integration.admin_farm import farm_cli, pull_and_report
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import inspect
 
-from farm.db.session import (
+from farm.server.db.session import (
     alembic_config,
     downgrade_database,
     make_engine,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from farm import compiler
-from farm.config import Settings
-from farm.db.models import Blob, Worker
-from farm.hashing import model_files
-from farm.sandbox import CompileTimeout, compile_in_child
-from farm.spec import CompileSpec
+from farm.core import errors
+from farm.core.config import Settings
+from farm.core.hashing import model_files
+from farm.core.spec import CompileSpec
+from farm.server.db.models import Blob, Worker
+from farm.server.jobs.sandbox import CompileTimeout, compile_in_child
 from tests import models
 
 MEMORY_LIMIT = 700 * 2**20
@@ -72,7 +72,7 @@ def test_memory_limit_settings():
 def test_a_memory_error_before_openvino_loads_is_still_named(tmp_path):
     # So little room that the plugin library cannot even be mapped: still the memory message.
     files = model_files(models.save_ir(models.conv_net(), tmp_path / "m" / "conv.xml"))
-    with pytest.raises(compiler.CompileError, match=r"exceeded its memory limit of 209715200"):
+    with pytest.raises(errors.CompileError, match=r"exceeded its memory limit of 209715200"):
         compile_in_child(
             files,
             CompileSpec.create("CPU"),

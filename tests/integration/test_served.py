@@ -7,13 +7,13 @@ import threading
 import pytest
 from sqlalchemy import select
 
-from farm import service
-from farm.compiler import host_toolchain
-from farm.db.models import Blob, Job
-from farm.dispatch import Dispatcher
-from farm.spec import CompileSpec
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec
+from farm.server.db.models import Blob, Job
+from farm.server.jobs import service
 from tests import models
-from tests.integration.served import wait_until
+from tests.integration.served import send as send_job
+from tests.integration.served import submit_ref, wait_until
 
 
 @pytest.fixture
@@ -29,16 +29,9 @@ def big_xml(tmp_path_factory):
 
 def submit_direct(farm, xml, send: bool = True, **spec) -> service.Submission:
     """Submit through the service layer, as the CLI and API do; `send=False` loses the message."""
-    spec = CompileSpec.create("CPU", **spec)
-    ref = service.ModelRef.from_path(xml)
-    with farm.sessions() as session:
-        submission = service.submit_from_disk(
-            session, farm.store, ref, spec, host_toolchain(spec.target), queue="compile.cpu"
-        )
-        if send and submission.outcome == "queued":
-            dispatcher = Dispatcher(farm.settings)
-            dispatcher.send(session, submission.job_id, "compile.cpu")
-            dispatcher.close()
+    submission = submit_ref(farm, ModelRef.from_path(xml), CompileSpec.create("CPU", **spec))
+    if send and submission.outcome == "queued":
+        send_job(farm, submission.job_id)
     return submission
 
 
@@ -98,10 +91,7 @@ def test_twenty_concurrent_identical_submits_compile_once(served, conv_xml):
 
 def test_a_duplicated_delivery_compiles_once(served, conv_xml):
     submission = submit_direct(served, conv_xml)
-    dispatcher = Dispatcher(served.settings)
-    with served.sessions() as session:
-        dispatcher.send(session, submission.job_id, "compile.cpu")  # the same job, twice
-    dispatcher.close()
+    send_job(served, submission.job_id)  # the same job, twice
     served.start_worker("w1")
     assert served.wait_job(submission.job_id).state == "succeeded"
     wait_until(lambda: served.worker_log("w1").count("farm.compile") >= 4, 30, "both deliveries")
@@ -213,7 +203,7 @@ def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):
 
 
 def test_a_job_over_its_attempt_limit_fails_through_farm_reconcile(served, conv_xml):
-    from farm.runner import claim
+    from farm.server.jobs.runner import claim
 
     result = served.farm_json("submit", str(conv_xml), "-d", "CPU", env={"FARM_MAX_ATTEMPTS": "2"})
     job_id = result["job"]["id"]
@@ -242,9 +232,9 @@ def test_a_job_queued_past_the_maximum_wait_fails_through_farm_reconcile(served,
 
 
 def test_infrastructure_errors_count_as_attempts_then_fail_the_job(served, conv_xml, s3_url):
-    from farm.runner import RunLimits, run_job
-    from farm.storage import StorageError
-    from farm.storage.s3 import S3Settings, S3Store
+    from farm.server.jobs.runner import RunLimits, run_job
+    from farm.server.storage import StorageError
+    from farm.server.storage.s3 import S3Settings, S3Store
     from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
 
     submission = submit_direct(served, conv_xml, send=False)

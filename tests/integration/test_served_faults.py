@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from farm.db.models import Blob, Job
+from farm.server.db.models import Blob, Job
 from tests import models
 from tests.conftest import S3_ENDPOINT_URL
 from tests.integration.faults import PrivateRedis, TcpProxy

@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from farm.signing import SignatureError, Signer, TrustedKeys, create_key_pair
+from farm.core.signing import SignatureError, Signer, TrustedKeys, create_key_pair
 from tests.integration.test_edge import edge_farm, ok_json, run_farm  # noqa: F401
 
 KEY, SHA = "a" * 64, "b" * 64

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import pytest
 
-from farm.storage import ChecksumMismatch, InvalidKey
-from farm.storage.s3 import PART_BYTES, S3Settings
+from farm.server.storage import ChecksumMismatch, InvalidKey
+from farm.server.storage.s3 import PART_BYTES, S3Settings
 
 
 def write(path, data: bytes):
@@ -90,8 +90,8 @@ def test_missing_objects_and_bad_keys(s3_store):
 
 
 def test_broken_configuration_names_the_setting(s3_store):
-    from farm.storage import StorageError
-    from farm.storage.s3 import S3Store
+    from farm.server.storage import StorageError
+    from farm.server.storage.s3 import S3Store
 
     endpoint = s3_store.settings.endpoint_url
     cases = {

@@ -6,11 +6,13 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from farm import compiler
-from farm.blobformat import BlobFormatError, read_header
+from farm import prepare, toolchain
+from farm.core import errors
+from farm.core.blobformat import BlobFormatError, read_header
+from farm.core.hashing import model_files
+from farm.core.spec import CompileSpec, Target
 from farm.edge import import_blob, infer_once
-from farm.hashing import model_files
-from farm.spec import CompileSpec, Target
+from farm.server.jobs import compiler
 from tests import models
 
 
@@ -41,7 +43,7 @@ def test_cpu_compile_export_import_round_trip(tmp_path, build, spec):
 
     assert result.blob_path.is_file()
     assert result.size_bytes == result.blob_path.stat().st_size
-    assert result.toolchain.openvino == compiler.openvino_release()
+    assert result.toolchain.openvino == toolchain.openvino_release()
     assert result.toolchain.runtime_requirements.startswith("meta=")
     assert result.toolchain.npu_compiler is None
     assert result.compile_seconds > 0 and result.export_seconds >= 0
@@ -53,7 +55,7 @@ def test_cpu_compile_export_import_round_trip(tmp_path, build, spec):
 
     imported = import_blob(result.blob_path, "CPU")
     reference = ov.Core().read_model(str(files["xml"]), str(files["bin"]))
-    compiler.apply_shapes(reference, CompileSpec.create("CPU", **spec))
+    prepare.apply_shapes(reference, CompileSpec.create("CPU", **spec))
     expected_shapes = [str(port.get_partial_shape()) for port in reference.inputs]
     got_shapes = [str(port.get_partial_shape()) for port in imported.compiled.inputs]
     assert got_shapes == expected_shapes
@@ -116,8 +118,8 @@ def test_truncated_weights_are_a_model_error(tmp_path):
     files = ir(tmp_path, models.conv_net())
     data = files["bin"].read_bytes()
     files["bin"].write_bytes(data[: len(data) // 2])
-    with pytest.raises(compiler.ModelError, match="Incorrect weights in bin file"):
-        compiler.check_model(files, CompileSpec.create("CPU"))
+    with pytest.raises(errors.ModelError, match="Incorrect weights in bin file"):
+        prepare.check_model(files, CompileSpec.create("CPU"))
 
 
 @pytest.mark.parametrize(
@@ -126,33 +128,33 @@ def test_truncated_weights_are_a_model_error(tmp_path):
 def test_unreadable_xml_is_a_model_error(tmp_path, content):
     files = ir(tmp_path, models.conv_net())
     files["xml"].write_bytes(content)
-    with pytest.raises(compiler.ModelError, match="cannot read model"):
-        compiler.check_model(files, CompileSpec.create("CPU"))
+    with pytest.raises(errors.ModelError, match="cannot read model"):
+        prepare.check_model(files, CompileSpec.create("CPU"))
 
 
 def test_shape_for_a_missing_input_names_the_real_inputs(tmp_path):
     files = ir(tmp_path, models.conv_net())
     spec = CompileSpec.create("CPU", shapes=["nope[1,3,32,32]"])
-    with pytest.raises(compiler.ModelError, match=r"no input 'nope'.*its inputs are: x"):
-        compiler.check_model(files, spec)
+    with pytest.raises(errors.ModelError, match=r"no input 'nope'.*its inputs are: x"):
+        prepare.check_model(files, spec)
 
 
 def test_bare_shape_needs_a_single_input_model(tmp_path):
     files = ir(tmp_path, models.two_input_net())
-    with pytest.raises(compiler.ModelError, match="2 inputs"):
-        compiler.check_model(files, CompileSpec.create("CPU", shapes=["[1,8]"]))
+    with pytest.raises(errors.ModelError, match="2 inputs"):
+        prepare.check_model(files, CompileSpec.create("CPU", shapes=["[1,8]"]))
 
 
 def test_shape_of_the_wrong_rank_is_a_model_error(tmp_path):
     files = ir(tmp_path, models.conv_net())
-    with pytest.raises(compiler.ModelError, match="cannot reshape"):
-        compiler.check_model(files, CompileSpec.create("CPU", shapes=["x[1,3]"]))
+    with pytest.raises(errors.ModelError, match="cannot reshape"):
+        prepare.check_model(files, CompileSpec.create("CPU", shapes=["x[1,3]"]))
 
 
 def test_batch_without_a_known_layout_asks_for_layout(tmp_path):
     files = ir(tmp_path, models.dynamic_net())
-    with pytest.raises(compiler.ModelError, match="--layout"):
-        compiler.check_model(files, CompileSpec.create("CPU", batch=2))
+    with pytest.raises(errors.ModelError, match="--layout"):
+        prepare.check_model(files, CompileSpec.create("CPU", batch=2))
 
 
 def test_batch_goes_on_the_layouts_axis_not_axis_zero(tmp_path):
@@ -160,7 +162,7 @@ def test_batch_goes_on_the_layouts_axis_not_axis_zero(tmp_path):
     files = ir(tmp_path, model)
     # Declare the batch on axis 2: the layout, not a convention, decides.
     spec = CompileSpec.create("CPU", batch=5, layout=["image:CHN?"])
-    assert compiler.check_model(files, spec) == ["image[?,3,5,?]"]
+    assert prepare.check_model(files, spec) == ["image[?,3,5,?]"]
 
 
 # --- NPU: everything up to the compiler call ----------------------------------------------
@@ -175,7 +177,7 @@ def test_npu_properties_are_built_from_the_spec():
         weightless=True,
         config=["NPU_BATCH_MODE=plugin"],
     )
-    assert compiler.compile_properties(spec) == {
+    assert toolchain.compile_properties(spec) == {
         "NPU_PLATFORM": "4000",
         "NPU_MAX_TILES": "6",
         "NPU_TILES": "4",
@@ -188,23 +190,23 @@ def test_npu_properties_are_built_from_the_spec():
 
 def test_a_batched_npu_spec_is_compiled_at_its_batch_unless_told_otherwise():
     batched = CompileSpec.create("3720", batch=4, layout=["x:NCHW"])
-    assert compiler.compile_properties(batched)["NPU_BATCH_MODE"] == "COMPILER"
+    assert toolchain.compile_properties(batched)["NPU_BATCH_MODE"] == "COMPILER"
     plugin = CompileSpec.create(
         "3720", batch=4, layout=["x:NCHW"], config=["NPU_BATCH_MODE=PLUGIN"]
     )
-    assert compiler.compile_properties(plugin)["NPU_BATCH_MODE"] == "PLUGIN"
-    assert "NPU_BATCH_MODE" not in compiler.compile_properties(CompileSpec.create("3720"))
+    assert toolchain.compile_properties(plugin)["NPU_BATCH_MODE"] == "PLUGIN"
+    assert "NPU_BATCH_MODE" not in toolchain.compile_properties(CompileSpec.create("3720"))
 
 
 def test_cpu_properties_carry_no_npu_keys():
     spec = CompileSpec.create("CPU", performance_hint="latency")
-    assert compiler.compile_properties(spec) == {"PERFORMANCE_HINT": "LATENCY"}
+    assert toolchain.compile_properties(spec) == {"PERFORMANCE_HINT": "LATENCY"}
 
 
 def test_npu_rejects_a_dynamic_model_naming_each_dynamic_dimension(tmp_path):
     files = ir(tmp_path, models.dynamic_net())
-    with pytest.raises(compiler.ModelError) as caught:
-        compiler.check_model(files, CompileSpec.create("NPU.4000"))
+    with pytest.raises(errors.ModelError) as caught:
+        prepare.check_model(files, CompileSpec.create("NPU.4000"))
     message = str(caught.value)
     assert "NPU.4000 needs static shapes" in message
     assert "image[?,3,?,?] (dimension 0, 2, 3)" in message
@@ -215,8 +217,8 @@ def test_npu_compile_without_the_compiler_names_the_missing_library(tmp_path):
     files = ir(tmp_path, models.conv_net())
     (tmp_path / "out").mkdir()
     spec = CompileSpec.create("NPU.4000", tiles=2)
-    assert compiler.check_model(files, spec) == ["x[1,3,32,32]"]
-    with pytest.raises(compiler.CompilerUnavailable, match=compiler.NPU_COMPILER_LIBRARY):
+    assert prepare.check_model(files, spec) == ["x[1,3,32,32]"]
+    with pytest.raises(errors.CompilerUnavailable, match=toolchain.NPU_COMPILER_LIBRARY):
         compiler.compile_to_file(files, spec, tmp_path / "out", "n" * 64)
     assert list((tmp_path / "out").iterdir()) == []  # no blob, and certainly no CPU blob
 
@@ -225,21 +227,21 @@ def test_npu_driver_compiler_without_a_device_says_so(tmp_path):
     files = ir(tmp_path, models.conv_net())
     (tmp_path / "out").mkdir()
     spec = CompileSpec.create("NPU.3720", config=["NPU_COMPILER_TYPE=DRIVER"])
-    with pytest.raises(compiler.CompilerUnavailable, match="no NPU device"):
+    with pytest.raises(errors.CompilerUnavailable, match="no NPU device"):
         compiler.compile_to_file(files, spec, tmp_path / "out", "d" * 64)
 
 
 def test_probe_compiles_cpu_and_reports_why_npu_cannot():
-    probe = compiler.probe_targets()
+    probe = toolchain.probe_targets()
     assert probe["CPU"] is None
     for name in ("NPU.3720", "NPU.4000", "NPU.5010", "NPU.5020"):
-        assert compiler.NPU_COMPILER_LIBRARY in probe[name]
+        assert toolchain.NPU_COMPILER_LIBRARY in probe[name]
 
 
 def test_host_toolchain_for_cpu_matches_what_a_compile_records(tmp_path):
     files = ir(tmp_path, models.conv_net())
     result = compile_cpu(tmp_path, files)
-    assert compiler.host_toolchain(Target.parse("CPU")) == result.toolchain
+    assert toolchain.host_toolchain(Target.parse("CPU")) == result.toolchain
 
 
 def test_a_file_that_is_not_a_blob_is_refused(tmp_path):

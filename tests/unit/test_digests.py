@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 
-from farm.digests import DigestCache
+from farm.core.digests import DigestCache
 
 
 def sha256(data: bytes) -> str:

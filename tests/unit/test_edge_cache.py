@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from farm.blobformat import read_header
-from farm.compiler import compile_to_file
+from farm.core.blobformat import read_header
+from farm.core.filecache import BlobCache, CacheError
+from farm.core.hashing import model_files
+from farm.core.spec import CompileSpec, Toolchain
 from farm.edge.agent import incompatibilities
-from farm.edge.cache import BlobCache, CacheError
 from farm.edge.dropin import file_info
-from farm.hashing import model_files
-from farm.spec import CompileSpec, Toolchain
+from farm.server.jobs.compiler import compile_to_file
 from tests import models
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from farm import hashing
-from farm.spec import CompileSpec, Toolchain
+from farm.core import hashing
+from farm.core.spec import CompileSpec, Toolchain
 from tests.strategies import model_identities, respellings, specs
 
 RR = "meta=1.0;ov=2026.4.1;isa=Intel AVX-512 with Intel DL Boost"
@@ -62,7 +62,7 @@ def test_golden_vectors(inputs, expected):
 
 
 def test_the_key_is_sha256_of_the_documented_canonical_json():
-    """DESIGN.md §5, written out by hand: sorted keys, no spaces, UTF-8."""
+    """docs/architecture.md §5, written out by hand: sorted keys, no spaces, UTF-8."""
     document = (
         '{"model":{"bin":"' + "2" * 64 + '","xml":"' + "1" * 64 + '"},'
         '"spec":{"batch":null,"compiler_params":null,"config":{},"layout":{},'

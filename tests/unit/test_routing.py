@@ -1,6 +1,6 @@
 """Queue names and which queues a worker consumes."""
 
-from farm.routing import queue_name, worker_queues
+from farm.server.routing import queue_name, worker_queues
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ import pytest
 
 CHURN = """
 import threading
-from farm.runner import release_free_memory
+from farm.server.jobs.runner import release_free_memory
 
 def rss_mb():
     for line in open("/proc/self/status"):

@@ -8,7 +8,7 @@ import re
 import pytest
 from hypothesis import given
 
-from farm.spec import MAX_TILES, CompileSpec, SpecError, Target, Toolchain
+from farm.core.spec import MAX_TILES, CompileSpec, SpecError, Target, Toolchain
 from tests.strategies import specs
 
 

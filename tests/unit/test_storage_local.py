@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from farm.storage import ChecksumMismatch, InvalidKey, StorageError, open_store
-from farm.storage.local import LocalStore
+from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, open_store
+from farm.server.storage.local import LocalStore
 
 
 @pytest.fixture

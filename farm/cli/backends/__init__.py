@@ -1,0 +1,89 @@
+"""Where the CLI's commands go: through the HTTP API (`FARM_API_URL` set) or straight to the
+database and store (embedded, or an operator on the farm's network). Both implement `Backend`
+and answer in the same dicts (`farm.server.views` shapes them, and the API returns them), so
+each command prints one way whatever the mode.
+
+`farm.cli` reaches `farm.server` only through `backends.direct` (an import contract), and
+imports it only when no API is configured: an edge install has no SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from farm.core.config import Settings
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec, Toolchain
+
+Advance = Callable[[int], None]
+"""Reports bytes done to a progress bar."""
+
+
+class SubmitProgress(Protocol):
+    """How a submission shows its slow steps: uploads (HTTP) or compiles (embedded)."""
+
+    def uploading(self, total_bytes: int) -> AbstractContextManager[Advance]: ...
+
+    def compiling(self, what: str) -> AbstractContextManager[object]: ...
+
+
+class Backend(Protocol):
+    """What a CLI command asks of the farm, in either mode."""
+
+    def submit(
+        self,
+        ref: ModelRef,
+        specs: list[CompileSpec],
+        toolchain: Toolchain,
+        progress: SubmitProgress,
+    ) -> dict[str, Any]:
+        """`{"submission_id", "results": [{"cache_key", "target", "outcome", "job"}]}`."""
+        ...
+
+    def job(self, job_id: int) -> dict[str, Any]: ...
+
+    def jobs(self, **filters: Any) -> list[dict[str, Any]]: ...
+
+    def log(self, job_id: int) -> dict[str, Any]:
+        """`{"id", "state", "log"}`."""
+        ...
+
+    def cancel(self, job_id: int) -> dict[str, Any]: ...
+
+    def resolve(self, cache_key: str) -> dict[str, Any] | None: ...
+
+    def latest_job(self, cache_key: str) -> dict[str, Any] | None: ...
+
+    def blobs(self, target: str | None) -> list[dict[str, Any]]: ...
+
+    def workers(self) -> list[dict[str, Any]]: ...
+
+    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> Any:
+        """Append the stored blob to `dest` (the edge agent verifies it)."""
+        ...
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def open_backend(settings: Settings) -> Backend:
+    """The HTTP API when FARM_API_URL is set, else the database and store directly."""
+    if settings.api_url:
+        from farm.cli.backends.http import Http
+
+        return Http.from_settings(settings)
+    # Only here: the direct backend needs farm[embedded] (SQLAlchemy, the compiler).
+    from farm.cli.backends.direct import Direct
+
+    return Direct.open(settings)

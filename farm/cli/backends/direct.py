@@ -1,0 +1,231 @@
+"""The CLI straight on the database and store: the embedded farm (compiles here, now), or an
+operator on the farm's network (queues jobs for workers, manages tokens, runs gc).
+
+The one door from `farm.cli` into `farm.server` (an import contract): every command that needs
+the server side goes through `Direct` or the functions at the end of this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from farm.cli.backends import Advance, SubmitProgress
+from farm.core.checks import Check
+from farm.core.config import Settings
+from farm.core.errors import NotFound
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec, Toolchain
+from farm.server import doctor, tokens
+from farm.server.blobs import gc
+from farm.server.blobs import service as blobs
+from farm.server.context import FarmContext, database_errors
+from farm.server.db.models import ApiToken
+from farm.server.db.session import upgrade_database
+from farm.server.jobs import reconcile as reconciler
+from farm.server.jobs import service as jobs
+from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
+from farm.server.views import blob_dict, job_dict, job_view, log_view, workers_view
+
+
+class Direct:
+    """Embedded (compiles here, now) or served without the API (queues for workers)."""
+
+    def __init__(self, farm: FarmContext) -> None:
+        self.farm = farm
+
+    @classmethod
+    def open(cls, settings: Settings) -> Direct:
+        return cls(FarmContext.open(settings))
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[Any]:
+        with self.farm.session() as session:
+            yield session
+
+    # --- jobs --------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        ref: ModelRef,
+        specs: list[CompileSpec],
+        toolchain: Toolchain,
+        progress: SubmitProgress,
+    ) -> dict[str, Any]:
+        dispatcher = self._dispatcher(progress, ref.name)
+        try:
+            with self._session() as session:
+                submitted = jobs.submit_matrix(
+                    session,
+                    self.farm.store,
+                    self.farm.settings,
+                    dispatcher,
+                    ref.identity,
+                    specs,
+                    toolchain,
+                    describe_model=lambda: ref.info,
+                    upload_from=ref,
+                    refuse_uncompilable=not self.farm.settings.served,
+                )
+        finally:
+            dispatcher.close()
+        return {
+            "submission_id": submitted.submission_id,
+            "results": [
+                {
+                    "cache_key": outcome.cache_key,
+                    "target": spec.target.name,
+                    "outcome": outcome.outcome,
+                    "job": self.job(outcome.job_id) if outcome.job_id else None,
+                }
+                for spec, outcome in submitted.results
+            ],
+        }
+
+    def _dispatcher(self, progress: SubmitProgress, model_name: str) -> Dispatcher:
+        if self.farm.settings.served:
+            return self.farm.dispatcher()
+
+        def run(job_id: int) -> None:
+            with self._session() as session:
+                job = jobs.get_job(session, job_id)
+                spec = CompileSpec.from_canonical(job.target, job.spec)
+            with progress.compiling(f"{model_name} for {spec.summary()}"):
+                self.farm.run(job_id)
+
+        return InlineDispatcher(run)
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        with self._session() as session:
+            job = jobs.get_job(session, job_id)
+            return job_view(session, job, self.farm.settings.worker_heartbeat_seconds)
+
+    def jobs(self, **filters: Any) -> list[dict[str, Any]]:
+        with self._session() as session:
+            return [job_dict(job) for job in jobs.list_jobs(session, **filters)]
+
+    def log(self, job_id: int) -> dict[str, Any]:
+        with self._session() as session:
+            return log_view(jobs.get_job(session, job_id))
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        with self._session() as session:
+            return job_dict(jobs.cancel(session, job_id))
+
+    def latest_job(self, cache_key: str) -> dict[str, Any] | None:
+        with self._session() as session:
+            job = jobs.latest_job_for_key(session, cache_key)
+            return job_dict(job) if job else None
+
+    def workers(self) -> list[dict[str, Any]]:
+        with self._session() as session:
+            return workers_view(session, self.farm.settings.worker_heartbeat_seconds)
+
+    # --- blobs (also the edge agent's source in embedded mode) ---------------------------------
+
+    def resolve(self, cache_key: str) -> dict[str, Any] | None:
+        with self._session() as session:
+            blob = blobs.resolve(session, cache_key)
+            return blob_dict(blob) if blob else None
+
+    def blobs(self, target: str | None) -> list[dict[str, Any]]:
+        with self._session() as session:
+            return [blob_dict(blob) for blob in blobs.list_blobs(session, target)]
+
+    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> None:
+        """Copy the stored blob to `dest` (the edge agent verifies it)."""
+        with self._session() as session:
+            blob = blobs.resolve(session, cache_key)
+            if blob is None:
+                raise NotFound(f"the farm has no blob for cache key {cache_key}")
+            storage_key = blob.storage_key
+        self.farm.store.get_file(storage_key, dest)
+        if progress:
+            progress(dest.stat().st_size)
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        with self._session() as session:
+            blobs.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
+
+    # --- operators -----------------------------------------------------------------------------
+
+    def reconcile(self) -> dict[str, Any]:
+        """One reconciler pass; re-sends go to the broker (served) or nowhere (embedded jobs
+        run in the command that submitted them)."""
+        dispatcher = self.farm.dispatcher() if self.farm.settings.served else None
+        try:
+            with self._session() as session:
+                report = reconciler.reconcile(
+                    session, self.farm.store, self.farm.settings, dispatcher
+                )
+        finally:
+            if dispatcher is not None:
+                dispatcher.close()
+        return asdict(report)
+
+    def collect_garbage(self, unpulled_days: int, dry_run: bool) -> gc.GcReport:
+        with self._session() as session:
+            return gc.collect(session, self.farm.store, unpulled_days, dry_run)
+
+    def create_token(self, name: str, role: str, expires_at: datetime | None) -> str:
+        with self._session() as session:
+            return tokens.create_token(session, name, role, expires_at)
+
+    def revoke_token(self, name: str) -> datetime:
+        with self._session() as session:
+            return tokens.revoke_token(session, name)
+
+    def list_tokens(self) -> list[ApiToken]:
+        with self._session() as session:
+            return tokens.list_tokens(session)
+
+    def close(self) -> None:
+        pass
+
+
+def upgrade_schema(settings: Settings) -> str | None:
+    """Bring the database to the latest migration; returns the revision it is at."""
+    url = settings.resolved_database_url
+    with database_errors(url):
+        return upgrade_database(url)
+
+
+def host_checks(settings: Settings) -> list[Check]:
+    """`farm doctor`: OpenVINO and its targets, the signing key, and each service."""
+    return [
+        *doctor.openvino_checks(),
+        doctor.signing_check(settings),
+        *doctor.service_checks(settings),
+    ]
+
+
+def run_worker(settings: Settings, **options: Any) -> None:
+    """Start a Celery compile worker in this process (returns when it shuts down)."""
+    from farm.workers.main import run_worker as start  # loads Celery: only `farm worker` needs it
+
+    start(settings, **options)
+
+
+def serve_api(host: str, port: int, processes: int) -> None:
+    """Serve the HTTP API with uvicorn (the app is built in each worker process)."""
+    import uvicorn  # only `farm api` needs the server
+
+    uvicorn.run(
+        "farm.server.api.main:app",
+        host=host,
+        port=port,
+        workers=processes,
+        proxy_headers=True,
+        log_level="info",
+    )

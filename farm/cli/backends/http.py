@@ -1,0 +1,75 @@
+"""The CLI through the farm API: the submitter holds no database, broker or S3 credentials."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from farm.cli.backends import Advance, SubmitProgress
+from farm.client import FarmClient
+from farm.core.config import Settings
+from farm.core.identity import ModelRef
+from farm.core.spec import CompileSpec, Toolchain
+
+
+class Http:
+    def __init__(self, client: FarmClient) -> None:
+        self.client = client
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Http:
+        assert settings.api_url
+        return cls(FarmClient(settings.api_url, settings.token))
+
+    def submit(
+        self,
+        ref: ModelRef,
+        specs: list[CompileSpec],
+        toolchain: Toolchain,
+        progress: SubmitProgress,
+    ) -> dict[str, Any]:
+        return self.client.submit_model(ref, specs, toolchain, progress.uploading)
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        return self.client.job(job_id)
+
+    def jobs(self, **filters: Any) -> list[dict[str, Any]]:
+        since = filters.get("since")
+        if since is not None:
+            filters["since"] = since.isoformat()
+        return self.client.jobs(**filters)
+
+    def log(self, job_id: int) -> dict[str, Any]:
+        return self.client.job_log(job_id)
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        return self.client.cancel(job_id)
+
+    def resolve(self, cache_key: str) -> dict[str, Any] | None:
+        return self.client.resolve(cache_key)
+
+    def latest_job(self, cache_key: str) -> dict[str, Any] | None:
+        jobs = self.client.jobs(cache_key=cache_key, limit=1)
+        return jobs[0] if jobs else None
+
+    def blobs(self, target: str | None) -> list[dict[str, Any]]:
+        return self.client.blobs(target)
+
+    def workers(self) -> list[dict[str, Any]]:
+        return self.client.workers()
+
+    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> Any:
+        return self.client.download(cache_key, dest, progress)
+
+    def report_pull(
+        self,
+        cache_key: str,
+        agent_id: str,
+        ok: bool,
+        import_seconds: float | None = None,
+        error: str | None = None,
+    ) -> Any:
+        return self.client.report_pull(cache_key, agent_id, ok, import_seconds, error)
+
+    def close(self) -> None:
+        self.client.close()

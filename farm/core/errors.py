@@ -1,0 +1,292 @@
+"""Every error farm raises on purpose, in one place, under one root: `FarmError`.
+
+Each error carries a `kind` (what went wrong, from the caller's point of view) and a stable
+`code` (a machine-readable name, the API's error code). Callers decide by kind, never by class
+name: the CLI's exit code and the API's HTTP status each come from one table keyed by `Kind`
+(`farm.cli.common.EXIT_CODES`, `farm.server.api.errors.HTTP_STATUS`), so a new error class
+needs no new table entry, and an edge install (no SQLAlchemy, no boto3) maps what it meets
+without importing what it lacks.
+
+Where an error used to derive from a standard exception (`ValueError`, `LookupError`,
+`OSError`), it still does, so existing `except ValueError` callers keep working.
+
+Standard library only: the edge imports this module.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class Kind(enum.Enum):
+    """What kind of failure an error is; the CLI and the API each map a kind to one answer."""
+
+    BAD_INPUT = "bad_input"
+    """The caller's input is wrong (spec, model file, cache key, token name): fix it, retry."""
+    NOT_FOUND = "not_found"
+    """No such job, blob or token."""
+    CONFLICT = "conflict"
+    """The request needs something first (upload the model files, then submit again)."""
+    CANNOT_RUN_HERE = "cannot_run_here"
+    """This host cannot compile for the target, or cannot import the blob."""
+    INTEGRITY = "integrity"
+    """Bytes or signatures do not match what was recorded: refused, never used."""
+    INFRASTRUCTURE = "infrastructure"
+    """Storage, database, broker, disk or the API failed; retrying later may succeed."""
+    UNAUTHORIZED = "unauthorized"
+    """No valid token (missing, invalid, revoked or expired)."""
+    FORBIDDEN = "forbidden"
+    """A valid token whose role does not allow this."""
+    RATE_LIMITED = "rate_limited"
+    """Too many requests for this token; retry later."""
+    JOB_FAILED = "job_failed"
+    """A job ran and did not produce its blob (cancelled, timed out)."""
+
+
+class FarmError(Exception):
+    """The root of every farm error. `kind` and `code` are class defaults an instance may
+    override; `details` is JSON-ready data for scripts (the API returns it)."""
+
+    kind: Kind = Kind.INFRASTRUCTURE
+    code: str = "error"
+
+    def __init__(self, message: str = "", *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details or {}
+
+    def __str__(self) -> str:
+        return self.message or super().__str__()
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+class SpecError(FarmError, ValueError):
+    """A compile spec that is invalid, ambiguous or unsupported for its target."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_spec"
+
+
+class ModelFileError(FarmError, ValueError):
+    """Model files that are missing, unreadable or of an unknown format."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_model"
+
+
+class CompileError(FarmError):
+    """The model or spec cannot be compiled: the job fails with this message, no retry."""
+
+    kind, code = Kind.BAD_INPUT, "compile_failed"
+    output: str = ""
+    """What the compiler printed before it failed, when it ran in a child (the sandbox)."""
+
+
+class ModelError(CompileError):
+    """The model files cannot be read, or the spec does not fit the model."""
+
+    code = "invalid_model"
+
+
+class BlobFormatError(FarmError, ValueError):
+    """A file that is not an OpenVINO cache entry farm can read."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_blob"
+
+
+class CacheError(FarmError, ValueError):
+    """A cache key that is not one, or a cache that cannot hold the blob."""
+
+    kind, code = Kind.BAD_INPUT, "cache_error"
+
+
+class KeyFileError(FarmError, ValueError):
+    """A signing or trusted key file that is missing, unreadable or not an Ed25519 key."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_key_file"
+
+
+class TokenError(FarmError, ValueError):
+    """A token name or role that is not allowed, or a name already in use."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_token"
+
+
+# --- not found and conflicts ---------------------------------------------------------------
+
+
+class NotFound(FarmError, LookupError):
+    """No job or blob by that id or cache key."""
+
+    kind, code = Kind.NOT_FOUND, "not_found"
+
+
+class BlobNotAvailable(FarmError, LookupError):
+    """The farm has no blob for this model and spec yet (and no local compile was allowed)."""
+
+    kind, code = Kind.NOT_FOUND, "blob_not_available"
+
+
+class ModelMissing(FarmError, LookupError):
+    """The store lacks model files a new job needs; upload them and submit again."""
+
+    kind, code = Kind.CONFLICT, "model_missing"
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(
+            f"the farm lacks model files {', '.join(missing)}; upload them first",
+            details={"missing": missing},
+        )
+        self.missing = missing
+
+
+# --- this host cannot ----------------------------------------------------------------------
+
+
+class CompilerUnavailable(FarmError, RuntimeError):
+    """This host cannot compile for the target (compiler library or device missing).
+
+    Not the model's fault: the job belongs on a host that can compile for the target.
+    """
+
+    kind, code = Kind.CANNOT_RUN_HERE, "compiler_unavailable"
+    output: str = ""
+    """What the compiler printed before it gave up, when it ran in a child (the sandbox)."""
+
+
+class Incompatible(FarmError):
+    """This host cannot import the blob (another OpenVINO, target or CPU runtime)."""
+
+    kind, code = Kind.CANNOT_RUN_HERE, "incompatible"
+
+
+# --- integrity -----------------------------------------------------------------------------
+
+
+class IntegrityMismatch(FarmError):
+    """Stored or downloaded bytes do not match their recorded sha256."""
+
+    kind, code = Kind.INTEGRITY, "integrity_mismatch"
+
+
+class SignatureError(FarmError):
+    """A blob record that is unsigned, signed by an untrusted key, or whose signature fails."""
+
+    kind, code = Kind.INTEGRITY, "signature_invalid"
+
+
+# --- infrastructure ------------------------------------------------------------------------
+
+
+class StorageError(FarmError):
+    """The store failed or holds something it should not (the caller may retry)."""
+
+    kind, code = Kind.INFRASTRUCTURE, "storage_error"
+
+
+class InvalidKey(StorageError, ValueError):
+    """A storage key that could escape the store's root or is not a plain relative path."""
+
+    code = "invalid_storage_key"
+
+
+class ChecksumMismatch(StorageError):
+    """The bytes written or read do not have the sha256 they were expected to have."""
+
+    code = "digest_mismatch"
+
+
+class ServiceUnavailable(FarmError):
+    """The database, broker or store does not answer (or is misconfigured)."""
+
+    kind, code = Kind.INFRASTRUCTURE, "service_unavailable"
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """The database refused or lost the connection (down, restarting, wrong URL)."""
+
+    code = "database_unavailable"
+
+
+class WorkDiskFull(FarmError):
+    """The worker's temporary directory has no room for a compile's files. An infrastructure
+    error: the job is retried (perhaps by a worker with more room), then fails with this."""
+
+    kind, code = Kind.INFRASTRUCTURE, "work_disk_full"
+
+
+class DiskFull(FarmError, OSError):
+    """The edge's cache has no room for the blob."""
+
+    kind, code = Kind.INFRASTRUCTURE, "disk_full"
+
+
+# --- authorization -------------------------------------------------------------------------
+
+
+class TokenExpired(FarmError):
+    """A token past its expiry: 401 `token_expired`."""
+
+    kind, code = Kind.UNAUTHORIZED, "token_expired"
+
+
+# --- jobs that ran -------------------------------------------------------------------------
+
+
+class CompileCancelled(FarmError):
+    """`farm cancel` stopped the compile."""
+
+    kind, code = Kind.JOB_FAILED, "cancelled"
+
+
+class CompileTimeout(FarmError):
+    """The compile ran past `FARM_MAX_RUN_SECONDS` and was killed."""
+
+    kind, code = Kind.JOB_FAILED, "compile_timeout"
+
+
+# --- the HTTP API ----------------------------------------------------------------------------
+
+_KIND_OF_STATUS = {
+    401: Kind.UNAUTHORIZED,
+    403: Kind.FORBIDDEN,
+    404: Kind.NOT_FOUND,
+    409: Kind.CONFLICT,
+    429: Kind.RATE_LIMITED,
+}
+
+
+class ApiError(FarmError):
+    """An answer of the farm API with an HTTP `status`, a stable `code` and a `message`: raised
+    by the server's routes (which set the status) and by the client (which read it)."""
+
+    def __init__(
+        self, status: int, code: str, message: str, details: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message, details=details)
+        self.status, self.code = status, code
+        by_status = _KIND_OF_STATUS.get(
+            status, Kind.BAD_INPUT if 400 <= status < 500 else Kind.INFRASTRUCTURE
+        )
+        by_code = kind_of_code(code)
+        # A code names the error's kind, unless the server answered it as the client's fault
+        # (a 4xx `digest_mismatch` is bad input, though the store's own mismatch is not).
+        client_fault = 400 <= status < 500
+        self.kind = (
+            by_code
+            if by_code is not None and not (client_fault and by_code is Kind.INFRASTRUCTURE)
+            else by_status
+        )
+
+
+def kind_of_code(code: str) -> Kind | None:
+    """The kind of the farm error with this `code`, so an answer of the API keeps the kind the
+    server's error had (a `compiler_unavailable` is exit 4 on both sides of HTTP)."""
+    pending, kinds = [FarmError], {}
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls is not ApiError and "code" in vars(cls):
+            kinds.setdefault(cls.code, cls.kind)
+    return kinds.get(code)

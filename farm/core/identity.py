@@ -1,0 +1,63 @@
+"""What names a blob: the model files on disk, their digests, and the cache key of a spec.
+
+Pure (hashing and spec only), so an edge computes exactly the key a worker recorded, with no
+database, broker or storage client installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from farm.core import hashing
+from farm.core.spec import CompileSpec, Toolchain
+
+Digest = Callable[[Path, Callable[[int], None] | None], str]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the farm knows it: the digests of its files by role, a name, its size."""
+
+    identity: dict[str, str]
+    name: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model on this machine's disk: its files by role, their digests, its display name."""
+
+    files: dict[str, Path]
+    identity: dict[str, str]
+    name: str
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        progress: Callable[[int], None] | None = None,
+        digests: Digest = hashing.sha256_file,
+    ) -> ModelRef:
+        """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
+        files = hashing.model_files(path)
+        identity = {role: digests(file, progress) for role, file in sorted(files.items())}
+        # The name is only a label; one that is not UTF-8 keeps its readable part.
+        name = Path(path).name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        return cls(files, identity, name)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(file.stat().st_size for file in self.files.values())
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(dict(self.identity), self.name, self.size_bytes)
+
+
+def key_for(identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain) -> str:
+    """The cache key of (model, spec, toolchain): docs/architecture.md §5."""
+    return hashing.cache_key(
+        identity, spec.target.name, spec.canonical(), toolchain.key_part(spec.target)
+    )

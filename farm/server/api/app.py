@@ -1,0 +1,70 @@
+"""The FastAPI application factory: the farm context, the rate limiter, the body limit, the
+error mapping, and one router per resource (`farm.server.api.routes`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from farm.core.config import Settings, get_settings
+from farm.server.api import dashboard, metrics
+from farm.server.api.errors import install_error_handlers
+from farm.server.api.limits import BodyLimit
+from farm.server.api.routes import ROUTERS
+from farm.server.api.schemas import Error
+from farm.server.context import FarmContext
+
+
+class RateLimiter:
+    """Requests per token per minute, counted in fixed one-minute windows in this process.
+
+    Note: each API replica counts on its own; behind N replicas a token gets up to N times the
+    limit. Good enough to stop a runaway client; a shared limit would need Redis.
+    """
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._counts: dict[tuple[str, int], int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def allow(self, name: str) -> bool:
+        window = int(time.time() // 60)
+        with self._lock:
+            if len(self._counts) > 10_000:
+                self._counts = defaultdict(
+                    int, {k: v for k, v in self._counts.items() if k[1] == window}
+                )
+            self._counts[(name, window)] += 1
+            return self._counts[(name, window)] <= self.per_minute
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.farm = FarmContext.open(settings)
+        # Without a broker, this process is the farm's only worker: jobs run on a thread of
+        # its own, after the request that created them has been answered.
+        app.state.dispatcher = app.state.farm.dispatcher(background=True)
+        yield
+        app.state.dispatcher.close()
+
+    app = FastAPI(
+        title="farm",
+        summary="A compilation farm for OpenVINO models.",
+        version="1",
+        lifespan=lifespan,
+        responses={401: {"model": Error}, 422: {"model": Error}},
+    )
+    app.state.limiter = RateLimiter(settings.api_requests_per_minute)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    install_error_handlers(app)
+    for router in (*ROUTERS, metrics.router, dashboard.router):
+        app.include_router(router)
+    return app

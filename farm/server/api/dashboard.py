@@ -1,0 +1,154 @@
+"""`/dashboard`: a read-only page of jobs, blobs and workers, filtered by query parameters.
+
+Authentication: a browser cannot attach a bearer header to a link, and a token in the URL ends
+up in history, proxy logs and Referer headers. So a login form posts the token once, and the
+answer sets it as a cookie: HttpOnly (page scripts cannot read it), SameSite=Lax (other sites'
+forms do not carry it; every dashboard request that carries it is a read-only GET), Secure
+when served over HTTPS, scoped to /dashboard, and short-lived. Every request checks the token
+against the database like a bearer token, so `farm token revoke` takes effect at once. It needs
+the `submit` role: the page shows what `GET /v1/jobs` and `/v1/workers` show that role. A bearer
+header works as well, for curl or an authenticating proxy in front.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy import func, select
+
+from farm.server import routing
+from farm.server.api import dashboard_html as html
+from farm.server.api.deps import farm_of
+from farm.server.blobs import service as blob_service
+from farm.server.db.models import Blob, Job, Pull
+from farm.server.jobs import service
+from farm.server.tokens import Caller, TokenExpired, authenticate
+
+COOKIE = "farm_dashboard"
+COOKIE_SECONDS = 8 * 3600
+"""Lifetime of the login cookie; the token itself lives until revoked."""
+ROLE = "submit"
+
+router = APIRouter(prefix="/dashboard", include_in_schema=False)
+
+
+def _caller(request: Request, token: str | None) -> Caller | None:
+    if not token:
+        return None
+    with farm_of(request).session() as session:
+        try:
+            caller = authenticate(session, token)
+        except TokenExpired:
+            return None
+    if caller is None or not caller.may(ROLE):
+        return None
+    return caller
+
+
+def _token_of(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.cookies.get(COOKIE)
+
+
+def _page(body: str, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(body, status, headers=html.SECURITY_HEADERS)
+
+
+@router.get("/style.css")
+def style() -> Response:
+    return Response(html.CSS, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get("/login")
+def login_form() -> HTMLResponse:
+    return _page(html.login())
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = parse_qs((await request.body())[:4096].decode("utf-8", "replace"))
+    token = (form.get("token") or [""])[0].strip()
+    caller = _caller(request, token)
+    if caller is None:
+        return _page(html.login(f"that token is unknown, revoked, or lacks the {ROLE!r} role"), 401)
+    if not request.app.state.limiter.allow(caller.name):
+        return _page(html.login("too many requests for this token; retry in a minute"), 429)
+    response = RedirectResponse("/dashboard", 303)
+    response.set_cookie(
+        COOKIE,
+        token,
+        max_age=COOKIE_SECONDS,
+        path="/dashboard",
+        httponly=True,
+        samesite="lax",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.post("/logout")
+def logout() -> Response:
+    response = RedirectResponse("/dashboard/login", 303)
+    response.delete_cookie(COOKIE, path="/dashboard")
+    return response
+
+
+@router.get("")
+def dashboard(
+    request: Request,
+    state: str | None = Query(None, pattern="^(|queued|running|succeeded|failed|cancelled)$"),
+    target: str | None = Query(None, max_length=32),
+    submitter: str | None = Query(None, max_length=128),
+    limit: int = Query(50, ge=1, le=500),
+    workers: str | None = Query(None, pattern="^(|all)$"),
+) -> Response:
+    caller = _caller(request, _token_of(request))
+    if caller is None:
+        return RedirectResponse("/dashboard/login", 303)
+    if not request.app.state.limiter.allow(caller.name):
+        return _page(html.message("too many requests for this token; retry in a minute"), 429)
+    farm = farm_of(request)
+    filters = {"state": state or "", "target": target or "", "submitter": submitter or ""}
+    with farm.session() as session:
+        jobs = service.list_jobs(
+            session, state or None, target or None, limit, submitter=submitter or None
+        )
+        blobs = blob_service.list_blobs(session, target or None)[:limit]
+        pulls = _pull_counts(session, [b.id for b in blobs])
+        live = {
+            w.name for w in routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
+        }
+        shown = [w for w in routing.all_workers(session) if workers == "all" or w.name in live]
+        summary = {
+            "states": dict(
+                session.execute(select(Job.state, func.count()).group_by(Job.state)).all()
+            ),
+            "blobs": session.execute(select(func.count(), func.sum(Blob.size_bytes))).one(),
+            "live_workers": len(live),
+        }
+        body = html.dashboard(
+            caller.name,
+            filters,
+            limit,
+            workers == "all",
+            summary,
+            html.jobs_table(jobs),
+            html.blobs_table(blobs, pulls),
+            html.workers_table(shown, live),
+        )
+    return _page(body)
+
+
+def _pull_counts(session, blob_ids: list[int]) -> dict[int, tuple[int, object]]:
+    if not blob_ids:
+        return {}
+    rows = session.execute(
+        select(Pull.blob_id, func.count(), func.max(Pull.created_at))
+        .where(Pull.blob_id.in_(blob_ids))
+        .group_by(Pull.blob_id)
+    )
+    return {blob_id: (n, last) for blob_id, n, last in rows}

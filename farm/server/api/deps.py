@@ -1,0 +1,91 @@
+"""What every router depends on, declared once: the farm context, the authenticated caller of
+each role, and the refusal of query parameters an endpoint does not take."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from farm.core.errors import ApiError, TokenExpired
+from farm.server.context import FarmContext
+from farm.server.jobs.dispatch import Dispatcher
+from farm.server.tokens import Caller, authenticate
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def farm_of(request: Request) -> FarmContext:
+    return request.app.state.farm
+
+
+def dispatcher_of(request: Request) -> Dispatcher:
+    return request.app.state.dispatcher
+
+
+def caller_with(role: str) -> Callable[..., Caller]:
+    """A dependency: the authenticated caller, who must hold `role` (or a higher one)."""
+
+    def dependency(
+        request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+    ) -> Caller:
+        if credentials is None:
+            raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer …)")
+        with farm_of(request).session() as session:
+            try:
+                caller = authenticate(session, credentials.credentials)
+            except TokenExpired as error:
+                raise ApiError(401, "token_expired", str(error)) from None
+        if caller is None:
+            raise ApiError(401, "unauthorized", "invalid or revoked token")
+        if not caller.may(role):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"this needs the {role!r} role; token {caller.name!r} has {caller.role!r}",
+            )
+        if not request.app.state.limiter.allow(caller.name):
+            raise ApiError(
+                429, "rate_limited", "too many requests for this token; retry in a minute"
+            )
+        return caller
+
+    return dependency
+
+
+def known_query_only(request: Request) -> None:
+    """Refuse query parameters the endpoint does not declare. FastAPI ignores them, so a typo
+    (`?stat=failed`) or a filter this server lacks would silently answer as if unfiltered."""
+    route = request.scope.get("route")
+    if route is None:
+        return
+    allowed = _query_names(route)
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(allowed)) or "no query parameters"
+        raise ApiError(
+            400,
+            "unknown_parameter",
+            f"unknown query parameter {', '.join(unknown)}; {request.url.path} takes {takes}",
+        )
+
+
+def _query_names(route: Any) -> set[str]:
+    names, pending = set(), [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        names.update(field.alias for field in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return names
+
+
+Farm = Annotated[FarmContext, Depends(farm_of)]
+"""The process's farm context (settings, sessions, store, dispatcher)."""
+Dispatch = Annotated[Dispatcher, Depends(dispatcher_of)]
+"""Where this process sends new jobs: the broker, or its own background thread (embedded)."""
+PullCaller = Annotated[Caller, Depends(caller_with("pull"))]
+"""A caller with at least the `pull` role (edges: resolve, download, report)."""
+SubmitCaller = Annotated[Caller, Depends(caller_with("submit"))]
+"""A caller with at least the `submit` role."""

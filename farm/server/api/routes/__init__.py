@@ -1,0 +1,7 @@
+"""One router per resource; `farm.server.api.app` includes them all."""
+
+from __future__ import annotations
+
+from farm.server.api.routes import blobs, health, jobs, models, workers
+
+ROUTERS = (health.router, models.router, jobs.router, blobs.router, workers.router)

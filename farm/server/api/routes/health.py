@@ -1,0 +1,27 @@
+"""`/healthz` (the process answers) and `/readyz` (its database, broker and store answer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Response
+
+from farm.server.api.deps import Farm, known_query_only
+from farm.server.doctor import service_checks
+
+router = APIRouter(tags=["health"], dependencies=[Depends(known_query_only)])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(farm: Farm, response: Response) -> dict[str, Any]:
+    """Readiness: the database, broker and store answer."""
+    checks = service_checks(farm.settings)
+    ready = all(c.ok for c in checks)
+    response.status_code = 200 if ready else 503
+    return {"ready": ready, "checks": {c.name: c.detail for c in checks}}

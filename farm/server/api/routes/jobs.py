@@ -1,0 +1,143 @@
+"""Submissions and jobs: submit a matrix, list, show, log, cancel."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+from sqlalchemy.orm import Session
+
+from farm.core.errors import ApiError, NotFound
+from farm.core.identity import ModelInfo
+from farm.core.spec import CompileSpec, Toolchain
+from farm.server.api.deps import Dispatch, Farm, SubmitCaller, known_query_only
+from farm.server.api.schemas import (
+    JobOut,
+    SubmissionRequest,
+    SubmissionResponse,
+    SubmissionResult,
+    Text,
+)
+from farm.server.context import FarmContext
+from farm.server.db.models import Job
+from farm.server.jobs import service
+from farm.server.storage import BlobStore, model_storage_key
+from farm.server.views import job_view, log_view
+
+router = APIRouter(tags=["jobs"], dependencies=[Depends(known_query_only)])
+
+
+@router.post("/v1/submissions", responses={409: {}})
+def submit(
+    body: SubmissionRequest, farm: Farm, dispatcher: Dispatch, caller: SubmitCaller
+) -> SubmissionResponse:
+    """Submit one spec or a matrix for one model: one result per spec (hit, existing, queued).
+    A hit needs no model upload; a new job needs the model files (409 `model_missing`)."""
+    if len(body.specs) > farm.settings.max_matrix:
+        raise ApiError(
+            422,
+            "matrix_too_large",
+            f"{len(body.specs)} specs is over the limit of {farm.settings.max_matrix}",
+        )
+    identity: dict[str, str] = dict(body.model)
+    if set(identity) not in ({"xml", "bin"}, {"onnx"}):
+        raise ApiError(422, "invalid_model", "model must be {xml, bin} or {onnx} digests")
+    specs = [
+        CompileSpec.from_canonical(s.target, s.model_dump(exclude={"target"})) for s in body.specs
+    ]
+    toolchain = Toolchain(
+        body.toolchain.openvino, runtime_requirements=body.toolchain.runtime_requirements
+    )
+    for spec in specs:
+        toolchain.key_part(spec.target)  # a CPU spec needs runtime requirements: 422 here
+    with farm.session() as session:
+        submitted = service.submit_matrix(
+            session,
+            farm.store,
+            farm.settings,
+            dispatcher,
+            identity,
+            specs,
+            toolchain,
+            describe_model=lambda: ModelInfo(
+                identity, body.model_name, _stored_size(farm.store, identity)
+            ),
+            submitter=caller.name,
+        )
+        return SubmissionResponse(
+            submission_id=submitted.submission_id,
+            results=[
+                SubmissionResult(
+                    cache_key=outcome.cache_key,
+                    target=spec.target.name,
+                    outcome=outcome.outcome,
+                    job=_job_out(farm, session, service.get_job(session, outcome.job_id))
+                    if outcome.job_id
+                    else None,
+                )
+                for spec, outcome in submitted.results
+            ],
+        )
+
+
+def _stored_size(store: BlobStore, model: dict[str, str]) -> int:
+    """Bytes of the model files already stored (0 for those not uploaded yet)."""
+    stats = (store.stat(model_storage_key(sha)) for sha in model.values())
+    return sum(stored.size for stored in stats if stored is not None)
+
+
+@router.get("/v1/jobs")
+def list_jobs(
+    farm: Farm,
+    _: SubmitCaller,
+    state: str | None = Query(None, pattern="^(queued|running|succeeded|failed|cancelled)$"),
+    target: Text | None = Query(None, max_length=32),
+    model: Text | None = Query(None, max_length=256, description="Model digest or name."),
+    submitter: Text | None = Query(None, max_length=128),
+    since: datetime | None = Query(None, description="Created at or after; UTC if no zone."),
+    cache_key: str | None = Query(None, pattern="^[0-9a-f]{64}$"),
+    limit: int = Query(50, ge=1, le=1000),
+) -> list[JobOut]:
+    """Jobs, newest first, filtered by any of the parameters."""
+    with farm.session() as session:
+        jobs = service.list_jobs(
+            session,
+            state,
+            target,
+            limit,
+            model=model,
+            submitter=submitter,
+            since=since,
+            cache_key=cache_key,
+        )
+        return [_job_out(farm, session, job) for job in jobs]
+
+
+@router.get("/v1/jobs/{job_id}", responses={404: {}})
+def get_job(job_id: int, farm: Farm, _: SubmitCaller) -> JobOut:
+    with farm.session() as session:
+        return _job_out(farm, session, service.get_job(session, _job_id(job_id)))
+
+
+@router.get("/v1/jobs/{job_id}/log", responses={404: {}})
+def job_log(job_id: int, farm: Farm, _: SubmitCaller) -> dict[str, Any]:
+    """The job's log: properties used, toolchain, timings, the compiler's output."""
+    with farm.session() as session:
+        return log_view(service.get_job(session, _job_id(job_id)))
+
+
+@router.post("/v1/jobs/{job_id}/cancel", responses={404: {}})
+def cancel_job(job_id: int, farm: Farm, _: SubmitCaller) -> JobOut:
+    with farm.session() as session:
+        return _job_out(farm, session, service.cancel(session, _job_id(job_id)))
+
+
+def _job_id(job_id: int) -> int:
+    if not 0 < job_id < 2**31:
+        raise NotFound(f"no job {job_id}")
+    return job_id
+
+
+def _job_out(farm: FarmContext, session: Session, job: Job) -> JobOut:
+    return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds))

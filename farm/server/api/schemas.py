@@ -1,0 +1,163 @@
+"""Request and response bodies. Unknown fields are refused: a typo is an error, not ignored."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and no database UTF-8 holds a lone surrogate (JSON's
+    # "\udcff"): refuse both here as bad input rather than fail at INSERT.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable: no control characters")
+    return value
+
+
+def _file_name(value: str) -> str:
+    if "/" in value or "\\" in value or value in (".", ".."):
+        raise ValueError("must be a file name, not a path")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+"""Any text that may reach the database."""
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[Text, StringConstraints(min_length=1, max_length=256), AfterValidator(_printable)]
+"""A name people read in listings and terminals."""
+FileName = Annotated[Name, AfterValidator(_file_name)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Error(BaseModel):
+    code: str = Field(description="Stable, machine-readable: 'invalid_spec', 'not_found', ...")
+    message: str = Field(description="What went wrong and what to do, for a person.")
+    details: dict[str, Any] | None = None
+
+
+class MissingRequest(Strict):
+    sha256: list[Sha256] = Field(min_length=1, max_length=16)
+
+
+class MissingResponse(BaseModel):
+    missing: list[str]
+
+
+class SpecIn(Strict):
+    """One compile spec, in the canonical form of docs/architecture.md §5 plus its target."""
+
+    target: Name
+    tiles: int | None = None
+    performance_hint: Text | None = Field(None, max_length=32)
+    compiler_params: Text | None = Field(None, max_length=512)
+    shapes: dict[Name, list[int]] = Field(default_factory=dict, max_length=64)
+    batch: int | None = None
+    layout: dict[Name | Literal[""], Annotated[Text, StringConstraints(max_length=64)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    weightless: bool = False
+    config: dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=256)],
+    ] = Field(default_factory=dict, max_length=32)
+
+
+class ToolchainIn(Strict):
+    openvino: Annotated[str, StringConstraints(pattern=r"^\d{4}\.\d+\.\d+$")]
+    runtime_requirements: Annotated[Text, StringConstraints(max_length=512)] | None = None
+
+
+class SubmissionRequest(Strict):
+    model: dict[Literal["xml", "bin", "onnx"], Sha256] = Field(
+        description="sha256 of each model file by role: {xml, bin} or {onnx}."
+    )
+    model_name: FileName
+    specs: list[SpecIn] = Field(min_length=1, description="One job per spec (a matrix).")
+    toolchain: ToolchainIn = Field(description="The toolchain the edge will import with.")
+
+
+class JobOut(BaseModel):
+    id: int
+    cache_key: str
+    target: str
+    state: str
+    queue: str
+    worker: str | None
+    submitter: str | None
+    submission_id: str | None
+    spec: dict[str, Any]
+    error: str | None
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    compile_seconds: float | None
+    export_seconds: float | None
+    peak_rss_bytes: int | None
+    note: str | None = Field(None, description="Why a queued job may wait (no live worker).")
+
+
+class SubmissionResult(BaseModel):
+    cache_key: str
+    target: str
+    outcome: Literal["hit", "existing", "queued"]
+    job: JobOut | None
+
+
+class SubmissionResponse(BaseModel):
+    submission_id: str
+    results: list[SubmissionResult]
+
+
+class BlobOut(BaseModel):
+    cache_key: str
+    target: str
+    model: dict[str, str]
+    """sha256 of each model file by role: an edge checks a weightless blob's .bin with it."""
+    openvino: str
+    toolchain: dict[str, Any]
+    size_bytes: int
+    sha256: str
+    payload_offset: int
+    weightless: bool
+    signature: str | None
+    """Ed25519 signature (base64) of (cache_key, sha256); edges check it (farm/signing.py)."""
+    signing_key_id: str | None
+    spec: dict[str, Any]
+    compile_seconds: float | None
+    export_seconds: float | None
+    created_at: datetime
+
+
+class PullIn(Strict):
+    agent_id: Name
+    ok: bool
+    import_seconds: float | None = Field(None, ge=0, le=86400)
+    error: Annotated[Text, StringConstraints(max_length=4000)] | None = None
+
+
+class WorkerOut(BaseModel):
+    name: str
+    host: str
+    live: bool
+    queues: list[str]
+    targets: dict[str, Any]
+    openvino: str
+    memory_bytes: int
+    heartbeat_at: datetime
+    stopped_at: datetime | None

@@ -1,0 +1,81 @@
+"""The blob rules: resolve a cache key, copy a blob out verified, record an edge's pull, list.
+
+A blob row exists only for a blob that is stored and verified (docs/architecture.md §7); the
+rules here only read it, except `record_pull`, which appends an edge's report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from farm.core import hashing
+from farm.core.clock import now
+from farm.core.errors import IntegrityMismatch, NotFound
+from farm.core.spec import Target
+from farm.server.db.models import Blob, Pull
+from farm.server.storage import BlobStore
+
+
+def resolve(session: Session, cache_key: str) -> Blob | None:
+    """The blob stored for `cache_key`, or None."""
+    return session.scalar(select(Blob).where(Blob.cache_key == cache_key))
+
+
+def fetch_blob(store: BlobStore, blob: Blob, output: Path) -> None:
+    """Copy a stored blob to `output`, verified against its recorded sha256, atomically."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        store.get_file(blob.storage_key, partial)
+        actual = hashing.sha256_file(partial)
+        if actual != blob.sha256:
+            raise IntegrityMismatch(
+                f"blob {blob.cache_key} is corrupt in storage: sha256 {actual}, "
+                f"recorded {blob.sha256}"
+            )
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def record_pull(
+    session: Session,
+    cache_key: str,
+    agent_id: str,
+    ok: bool,
+    import_seconds: float | None = None,
+    error: str | None = None,
+) -> Pull:
+    """An edge's report of one pull: who, how long the import took, ok or why not."""
+    blob = require(session, cache_key)
+    pull = Pull(
+        blob_id=blob.id,
+        cache_key=cache_key,
+        agent_id=agent_id,
+        import_seconds=import_seconds,
+        ok=ok,
+        error=error,
+        created_at=now(),
+    )
+    session.add(pull)
+    session.commit()
+    return pull
+
+
+def list_blobs(session: Session, target: str | None = None) -> list[Blob]:
+    query = select(Blob).order_by(Blob.created_at.desc(), Blob.id.desc())
+    if target:
+        query = query.where(Blob.target == Target.parse(target).name)
+    return list(session.scalars(query))
+
+
+def require(session: Session, cache_key: str) -> Blob:
+    """The blob stored for `cache_key`; NotFound when there is none."""
+    blob = resolve(session, cache_key)
+    if blob is None:
+        raise NotFound(f"no blob for cache key {cache_key}")
+    return blob

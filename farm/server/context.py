@@ -1,0 +1,124 @@
+"""The composition root: the one place that turns `Settings` into the farm's parts.
+
+Embedded mode (the CLI without `FARM_API_URL`), the API process and each Celery worker process
+all build a `FarmContext` and take what they need from it: database sessions, the blob store,
+the signer, the compile limits, the worker's model cache and the dispatcher. Every part is made
+on first use, so a command that only reads the database never opens the store or the broker.
+
+A context belongs to one process: connections made before a fork are not shared after it
+(`farm.workers` builds one per pool process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from farm.core.config import Settings, get_settings
+from farm.core.errors import DatabaseUnavailable
+from farm.core.filecache import BlobCache
+from farm.core.signing import Signer, load_signer
+from farm.core.text import mask_url
+from farm.server.db.models import Job
+from farm.server.db.session import make_engine, make_session_factory, upgrade_database
+from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
+from farm.server.jobs.runner import RunLimits, run_job
+from farm.server.storage import BlobStore, open_store
+
+
+class FarmContext:
+    """Settings and the parts built from them, for one process."""
+
+    def __init__(self, settings: Settings, *, worker: str | None = None) -> None:
+        self.settings = settings
+        self.worker = worker
+        """The name this process's jobs record in `jobs.worker` (a Celery worker's name)."""
+        self.pid = os.getpid()
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, *, worker: str | None = None) -> FarmContext:
+        """A context whose database is ready: the embedded default (SQLite) is brought to the
+        schema's head here, since it must work with nothing set up; a served database is
+        upgraded by `farm db upgrade`, deliberately."""
+        context = cls(settings or get_settings(), worker=worker)
+        url = context.settings.resolved_database_url
+        if url.startswith("sqlite"):
+            with database_errors(url):
+                upgrade_database(url)
+        return context
+
+    @cached_property
+    def sessions(self) -> sessionmaker[Session]:
+        return make_session_factory(make_engine(self.settings.resolved_database_url))
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session; a database that refuses or drops the connection is DatabaseUnavailable."""
+        with database_errors(self.settings.resolved_database_url), self.sessions() as session:
+            yield session
+
+    @cached_property
+    def store(self) -> BlobStore:
+        return open_store(self.settings.resolved_storage_url, self.settings)
+
+    @cached_property
+    def signer(self) -> Signer | None:
+        """Signs blobs; the embedded farm creates its key on first use, a served one must be
+        given its key (`FARM_SIGNING_KEY`, `farm keys create`)."""
+        settings = self.settings
+        return load_signer(settings.resolved_signing_key, create=not settings.served)
+
+    @cached_property
+    def run_limits(self) -> RunLimits:
+        settings = self.settings
+        return RunLimits(
+            settings.lease_seconds,
+            settings.max_run_seconds,
+            settings.resolved_compile_memory_bytes,
+        )
+
+    @cached_property
+    def model_cache(self) -> BlobCache | None:
+        """Model files this host fetched, kept for its next jobs (`FARM_WORKER_MODEL_CACHE_BYTES`,
+        0: none). Only a store that is not on this host's disk is worth caching."""
+        if not (self.settings.served and self.settings.worker_model_cache_bytes):
+            return None
+        root = self.settings.cache_dir / "models"
+        return BlobCache(root, self.settings.worker_model_cache_bytes)
+
+    def run(self, job_id: int) -> Job:
+        """Run job `job_id` here: claim, compile in a child, store, record."""
+        return run_job(
+            self.sessions,
+            self.store,
+            job_id,
+            worker=self.worker,
+            limits=self.run_limits,
+            signer=self.signer,
+            model_cache=self.model_cache,
+        )
+
+    def dispatcher(self, *, background: bool = False) -> Dispatcher:
+        """Where new jobs go: the broker when served, else this process (`background`: on a
+        thread of its own, for the embedded API)."""
+        if self.settings.served:
+            return CeleryDispatcher(self.settings)
+        return InlineDispatcher(self.run, background=background)
+
+
+@contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turn the driver's connection errors into DatabaseUnavailable, naming the setting."""
+    try:
+        yield
+    except OperationalError as error:
+        orig = error.orig or error
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        raise DatabaseUnavailable(
+            f"database error (FARM_DATABASE_URL={mask_url(url)}): {first}"
+        ) from error

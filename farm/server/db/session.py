@@ -1,0 +1,75 @@
+"""Engines, sessions and schema upgrades for PostgreSQL (served) and SQLite (embedded)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+"""How long a SQLite writer waits for another process's write lock before failing."""
+
+
+def make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(connection, _record) -> None:
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA journal_mode = WAL")  # readers do not block the writer
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str):
+    """Alembic configuration for `url`, using the migrations shipped inside the package."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(files("farm.migrations")))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade_database(url: str, revision: str = "head") -> str | None:
+    """Upgrade the schema to `revision`; returns the revision the database is at after."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            config = alembic_config(url)
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def downgrade_database(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            config = alembic_config(url)
+            config.attributes["connection"] = connection
+            command.downgrade(config, revision)
+    finally:
+        engine.dispose()

@@ -1,0 +1,109 @@
+"""What this host has and can do: OpenVINO, devices, NPU libraries, compilable targets, and
+whether the configured services answer. Used by `farm doctor` and at `farm worker` start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from farm.core.checks import Check
+from farm.core.config import Settings
+from farm.core.errors import ServiceUnavailable
+
+
+def openvino_checks() -> list[Check]:
+    import openvino as ov
+
+    from farm import toolchain
+
+    libs = Path(ov.__file__).parent / "libs"
+    checks = [
+        Check("openvino", True, ov.get_version()),
+        Check("devices", True, ", ".join(ov.Core().available_devices) or "none"),
+    ]
+    for library in ("libopenvino_intel_npu_plugin.so", toolchain.NPU_COMPILER_LIBRARY):
+        found = (libs / library).exists()
+        checks.append(Check(library, found, str(libs / library) if found else "missing"))
+    for target, reason in toolchain.probe_targets().items():
+        checks.append(Check(f"compile {target}", reason is None, reason or "compiles here"))
+    return checks
+
+
+def signing_check(settings: Settings) -> Check:
+    """Whether this host signs the blobs it compiles (edges refuse unsigned ones)."""
+    from farm.core.signing import KeyFileError, Signer
+
+    path = settings.resolved_signing_key
+    if path is None:
+        return Check(
+            "signing",
+            False,
+            "no FARM_SIGNING_KEY: blobs are recorded unsigned and edges refuse "
+            "them (farm keys create)",
+        )
+    if not path.exists() and not settings.served:
+        return Check("signing", True, f"{path} (created on the first compile)")
+    try:
+        return Check("signing", True, f"key {Signer.from_file(path).key_id} ({path})")
+    except KeyFileError as error:
+        return Check("signing", False, str(error))
+
+
+def service_checks(settings: Settings) -> list[Check]:
+    checks = [_database(settings)]
+    if settings.broker_url:
+        checks.append(_broker(settings))
+    checks.append(_storage(settings))
+    return checks
+
+
+def require_services(settings: Settings) -> None:
+    failures = [c.detail for c in service_checks(settings) if not c.ok]
+    if failures:
+        raise ServiceUnavailable("; ".join(failures))
+
+
+def _database(settings: Settings) -> Check:
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    from farm.server.db.session import make_engine
+
+    url = settings.resolved_database_url
+    shown = make_url(url).render_as_string(hide_password=True)
+    try:
+        engine = make_engine(url)
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return Check(
+            "database", False, f"cannot reach the database {shown} (FARM_DATABASE_URL): {first}"
+        )
+    return Check("database", True, shown)
+
+
+def _broker(settings: Settings) -> Check:
+    from kombu import Connection
+
+    try:
+        with Connection(settings.broker_url, connect_timeout=3) as connection:
+            connection.ensure_connection(max_retries=1, timeout=3)
+    except Exception as error:
+        return Check(
+            "broker",
+            False,
+            f"cannot reach the broker {settings.broker_url} (FARM_BROKER_URL): {error}",
+        )
+    return Check("broker", True, settings.broker_url)
+
+
+def _storage(settings: Settings) -> Check:
+    from farm.server.storage import StorageError, open_store
+
+    url = settings.resolved_storage_url
+    try:
+        open_store(url, settings).check()
+    except StorageError as error:
+        return Check("storage", False, str(error))
+    return Check("storage", True, url)

@@ -1,0 +1,390 @@
+"""Running one job: claim it with a lease, compile in a child process, store, record.
+
+Used by Celery workers and by the embedded farm alike. The job row is the truth
+(docs/architecture.md §6): a claim is a conditional UPDATE, so a duplicated delivery finds the
+job taken or finished and does nothing; the lease is renewed while compiling, so a dead
+worker's job can be taken back; the blob row and `succeeded` are written in one transaction
+after the blob is stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import resource
+import shutil
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from farm.core.clock import now
+from farm.core.errors import WorkDiskFull
+from farm.core.filecache import BlobCache
+from farm.core.signing import Signer
+from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.server.db.models import Blob, Job, Model
+from farm.server.jobs.model_cache import link_model_file
+from farm.server.storage import BlobStore, LocalPaths, blob_storage_key, model_storage_key
+
+log = logging.getLogger(__name__)
+
+
+CANCEL_POLL_SECONDS = 2.0
+"""How often a running job's worker looks for a cancel request (and renews the lease)."""
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+"""A write refused for want of room: disk full, file size limit (ulimit -f), quota."""
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    lease_seconds: int = 120
+    max_run_seconds: int = 3 * 3600
+    memory_bytes: int | None = None
+    """Address-space limit of the compile's child process; None: none."""
+
+
+def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
+    """Take a queued job, or a running one whose lease has expired. False: not ours to run."""
+    at = now()
+    claimable = (Job.state == "queued") | ((Job.state == "running") & (Job.lease_expires_at < at))
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            claimable,
+            Job.cancel_requested.is_(False),
+            Job.attempts < Job.max_attempts,
+        )
+        .values(
+            state="running",
+            worker=worker,
+            started_at=at,
+            lease_expires_at=at + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+        )
+    )
+    session.commit()
+    return result.rowcount == 1
+
+
+def run_job(
+    sessions: sessionmaker[Session],
+    store: BlobStore,
+    job_id: int,
+    *,
+    worker: str | None = None,
+    limits: RunLimits = RunLimits(),
+    work_root: Path | None = None,
+    signer: Signer | None = None,
+    model_cache: BlobCache | None = None,
+) -> Job:
+    """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
+
+    Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
+    database) put the job back in the queue, or fail it when that was its last attempt, and
+    propagate, for the caller to retry (the retry finds the job failed and does nothing).
+    `model_cache` keeps the model files a remote store sent, for this host's next jobs.
+    """
+    worker = worker or socket.gethostname()
+    with sessions() as session:
+        if not claim(session, job_id, worker, limits.lease_seconds):
+            return session.get(Job, job_id)
+        job = session.get(Job, job_id)
+        model_row = session.get(Model, job.model_id)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"farm-job-{job_id}-", dir=work_root))
+    lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
+    try:
+        with lease:
+            outcome = _compile_and_store(
+                job, model_row, store, work_dir, lease, limits, signer, model_cache
+            )
+        with sessions() as session:
+            return outcome(session)
+    except Exception as error:
+        _release(sessions, job_id, worker, error)
+        raise
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
+    """Returns a function that records the outcome in a session (so recording is one place)."""
+    from farm.core import errors
+    from farm.server.jobs.sandbox import CompileCancelled, CompileTimeout, compile_in_child
+
+    spec = CompileSpec.from_canonical(job.target, job.spec)
+    with _work_disk(work_dir):
+        files = _fetch_model(store, model_row, work_dir, model_cache)
+        _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
+    release_free_memory()  # before the compile child's peak, not after it
+    try:
+        result, output = compile_in_child(
+            files,
+            spec,
+            work_dir / "out",
+            job.cache_key,
+            timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
+            should_stop=lease.should_stop,
+        )
+        _check_toolchain(job, result.toolchain, spec.target)
+        if lease.should_stop():  # cancelled while the compile was finishing: store nothing
+            raise CompileCancelled("compile cancelled")
+    except CompileCancelled:
+        return lambda session: _finish(session, job, "cancelled", error="cancelled while running")
+    except (CompileTimeout, errors.CompileError, errors.CompilerUnavailable) as error:
+        message = str(error)  # `error` itself is unbound when the except block ends
+        log_text = _failure_log(spec, message, error.output)
+        return lambda session: _finish(session, job, "failed", error=message, log_text=log_text)
+    stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
+    release_free_memory()
+    return lambda session: _record_blob(session, job, model_row, result, stored, output, signer)
+
+
+def release_free_memory() -> None:
+    """Hand memory freed by transfers back to the OS. glibc keeps freed parts' buffers in the
+    transfer threads' arenas, so a long-lived worker grew by ~80 MB over five 512 MB jobs and
+    held it through every later compile (bench/README.md, worker_memory). No-op off glibc."""
+    trim = getattr(_this_process(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _this_process() -> ctypes.CDLL:
+    """The symbols already loaded in this process, libc's among them (no library search)."""
+    return ctypes.CDLL(None)
+
+
+def _fetch_model(
+    store: BlobStore, model_row: Model, work_dir: Path, model_cache: BlobCache | None
+) -> dict[str, Path]:
+    """Model files as paths the compiler can read: the store's own files when it is local,
+    else from this host's model cache, fetched into it once."""
+    suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
+    files = {}
+    for role, sha in model_row.files.items():
+        key, local = model_storage_key(sha), work_dir / f"model{suffix[role]}"
+        stored = store.local_path(key) if isinstance(store, LocalPaths) else None
+        if stored is None and model_cache is not None:
+            link_model_file(model_cache, store, key, sha, local)
+        elif stored is None:
+            store.get_file(key, local)
+        else:
+            # A link, not the store's own path: a model may name files relative to itself
+            # (ONNX external data), and beside it must be its own folder, not other models.
+            local.symlink_to(stored)
+        files[role] = local
+    return files
+
+
+@contextlib.contextmanager
+def _work_disk(work_dir: Path):
+    """A write refused for want of room in the work dir becomes WorkDiskFull, naming it."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise WorkDiskFull(_no_room(work_dir, str(error))) from error
+
+
+def _ensure_room(work_dir: Path, needed: int) -> None:
+    """Refuse to compile when the blob cannot be written: OpenVINO drops a failed blob write
+    without a word (the compile "wrote no blob"), after a compile that may take hours.
+
+    Note: `needed` is an estimate, the model's size (a weightful blob holds the weights).
+    """
+    free = shutil.disk_usage(work_dir).free
+    if free < needed:
+        why = f"the blob needs about {needed} bytes and {free} are free"
+        raise WorkDiskFull(_no_room(work_dir, why))
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        why = f"the blob needs about {needed} bytes, over this worker's file size limit {limit}"
+        raise WorkDiskFull(_no_room(work_dir, f"{why} (ulimit -f)"))
+
+
+def _no_room(work_dir: Path, why: str) -> str:
+    return (
+        f"no room to compile in the worker's temporary directory {work_dir.parent} (TMPDIR): "
+        f"{why}; free space there or point TMPDIR at a bigger disk"
+    )
+
+
+def _check_toolchain(job: Job, produced: Toolchain, target: Target) -> None:
+    """Never record a blob under a key whose toolchain is not the one that produced it."""
+    from farm.core.errors import CompileError
+
+    if produced.key_part(target) != job.toolchain:
+        raise CompileError(
+            f"this host's toolchain {produced.key_part(target)} differs from the job's "
+            f"{job.toolchain}; the job must run on a host with that toolchain"
+        )
+
+
+def _finish(session: Session, job: Job, state: str, error: str, log_text: str | None = None):
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state == "running", Job.worker == job.worker)
+        .values(
+            state=state,
+            error=error,
+            log=log_text or error,
+            finished_at=now(),
+            lease_expires_at=None,
+        )
+    )
+    session.commit()
+    return session.get(Job, job.id, populate_existing=True)
+
+
+def _record_blob(session: Session, job: Job, model_row: Model, result, stored, output: str, signer):
+    timings = {"compile_seconds": result.compile_seconds, "export_seconds": result.export_seconds}
+    at = now()
+    # A blob may already exist if a job whose lease we took back finished after all: then the
+    # store refused our write unless the bytes were equal, and one row is enough.
+    if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
+        session.add(
+            Blob(
+                cache_key=job.cache_key,
+                job_id=job.id,
+                model_id=model_row.id,
+                target=job.target,
+                spec=job.spec,
+                toolchain=result.toolchain.as_dict(),
+                openvino_version=result.toolchain.openvino,
+                storage_key=blob_storage_key(job.cache_key),
+                size_bytes=stored.size,
+                sha256=stored.sha256,
+                payload_offset=result.payload_offset,
+                weightless=bool(job.spec.get("weightless")),
+                signature=signer.sign(job.cache_key, stored.sha256) if signer else None,
+                signing_key_id=signer.key_id if signer else None,
+                created_at=at,
+                **timings,
+            )
+        )
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id)
+        .values(
+            state="succeeded",
+            finished_at=at,
+            lease_expires_at=None,
+            peak_rss_bytes=result.peak_rss_bytes,
+            log=_job_log(result, output),
+            **timings,
+        )
+    )
+    session.commit()
+    return session.get(Job, job.id, populate_existing=True)
+
+
+def _release(sessions: sessionmaker[Session], job_id: int, worker: str, error: Exception) -> None:
+    """Hand a job back to the queue after an infrastructure error; the retry re-claims it.
+
+    The attempt stays counted: every claim is one of the job's `max_attempts`, so an outage
+    that outlasts them fails the job with the error, instead of re-sending it until its
+    maximum queue wait. If the database is down, the lease simply expires and the reconciler
+    takes the job back (or fails it, past its attempts).
+    """
+    try:
+        with sessions() as session:
+            job = session.get(Job, job_id)
+            values = {"state": "queued"}
+            if job is not None and job.attempts >= job.max_attempts:
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                reason = (
+                    f"gave up after {job.attempts} attempts (FARM_MAX_ATTEMPTS); the last "
+                    f"ended with an infrastructure error: {type(error).__name__}: {first_line}"
+                )
+                values = {"state": "failed", "finished_at": now(), "error": reason, "log": reason}
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "running", Job.worker == worker)
+                .values(lease_expires_at=None, **values)
+            )
+            session.commit()
+    except Exception:
+        log.warning("could not release job %s; its lease will expire", job_id, exc_info=True)
+
+
+def _failure_log(spec: CompileSpec, message: str, output: str) -> str:
+    """A failed job's log: what was asked, why it failed, and what the compiler printed."""
+    from farm.toolchain import compile_properties
+
+    lines = [f"{key}={value}" for key, value in sorted(compile_properties(spec).items())]
+    lines.append(f"failed: {message}")
+    if output.strip():
+        lines += ["--- compiler output ---", output.rstrip()]
+    return "\n".join(lines)
+
+
+def _job_log(result, output: str) -> str:
+    lines = [f"{key}={value}" for key, value in sorted(result.properties.items())]
+    lines.append(f"toolchain={result.toolchain.as_dict()}")
+    lines.append(
+        f"compile {result.compile_seconds:.3f}s, export {result.export_seconds:.3f}s, "
+        f"peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB, blob {result.size_bytes} bytes"
+    )
+    if output.strip():
+        lines += ["--- compiler output ---", output.rstrip()]
+    return "\n".join(lines)
+
+
+class _Lease:
+    """Renews the job's lease in the background and notices cancel requests."""
+
+    def __init__(self, sessions, job_id: int, worker: str, lease_seconds: int) -> None:
+        self.sessions, self.job_id, self.worker = sessions, job_id, worker
+        self.lease_seconds = lease_seconds
+        self.cancelled = threading.Event()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
+
+    def __enter__(self) -> _Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.lost.is_set()
+
+    def _run(self) -> None:
+        # Renew every third of the lease, so two renewals can fail before it expires; the
+        # same UPDATE reads the cancel flag, checked more often so a cancel is quick.
+        interval = min(self.lease_seconds / 3, CANCEL_POLL_SECONDS)
+        while not self._stop.wait(interval):
+            try:
+                self._renew()
+            except Exception:
+                log.warning("lease renewal for job %s failed", self.job_id, exc_info=True)
+
+    def _renew(self) -> None:
+        with self.sessions() as session:
+            row = session.execute(
+                update(Job)
+                .where(Job.id == self.job_id, Job.state == "running", Job.worker == self.worker)
+                .values(lease_expires_at=now() + timedelta(seconds=self.lease_seconds))
+                .returning(Job.cancel_requested)
+            ).first()
+            session.commit()
+        if row is None:
+            log.warning("job %s is no longer ours; stopping its compile", self.job_id)
+            self.lost.set()
+        elif row.cancel_requested:
+            self.cancelled.set()

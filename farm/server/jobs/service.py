@@ -1,0 +1,303 @@
+"""The job rules: submit a matrix, cancel, find jobs. Shared by the CLI, the API and workers.
+
+The database is the source of truth (docs/architecture.md §6). A submission is a hit (the blob
+exists), the job already queued or running for that cache key (single flight, enforced by a
+partial unique index), or a new queued job. New jobs are dispatched only after their rows are
+committed, so a worker never receives the id of a row that was rolled back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from farm import toolchain as host
+from farm.core import hashing
+from farm.core.clock import now
+from farm.core.config import Settings
+from farm.core.errors import CompilerUnavailable, ModelMissing, NotFound
+from farm.core.identity import ModelInfo, ModelRef, key_for
+from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
+from farm.server import routing
+from farm.server.db.models import Blob, Job, Model
+from farm.server.jobs.dispatch import Dispatcher, dispatch
+from farm.server.storage import BlobStore, model_storage_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submission:
+    outcome: Outcome
+    cache_key: str
+    job_id: int | None = None
+
+
+def submit(
+    session: Session,
+    store: BlobStore,
+    model: ModelInfo,
+    spec: CompileSpec,
+    toolchain: Toolchain,
+    *,
+    queue: str = EMBEDDED_QUEUE,
+    submitter: str | None = None,
+    submission_id: str | None = None,
+    max_attempts: int | None = None,
+) -> Submission:
+    """Return the hit, the active job for the same cache key, or a new queued job (committed).
+
+    The caller sends a new job's message only after this commit (`submit_matrix`). A new job
+    needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
+    claims the new job gets (`Settings.max_attempts`); None: the column's default.
+    """
+    known = known_outcome(session, model.identity, spec, toolchain)
+    if known is not None:
+        return known
+    key = key_for(model.identity, spec, toolchain)
+    missing = missing_model_files(store, model.identity.values())
+    if missing:
+        raise ModelMissing(missing)
+    model_row = register_model(session, model)
+    job = Job(
+        cache_key=key,
+        model_id=model_row.id,
+        target=spec.target.name,
+        queue=queue,
+        spec=spec.canonical(),
+        toolchain=toolchain.key_part(spec.target),
+        state=JobState.QUEUED,
+        submitter=submitter,
+        submission_id=submission_id,
+        created_at=now(),
+    )
+    if max_attempts is not None:
+        job.max_attempts = max_attempts
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:
+        # Another submitter inserted the active job for this key between our check and our
+        # insert; the partial unique index refused ours. Theirs is the job to follow.
+        session.rollback()
+        active = _active_job_id(session, key)
+        if active is None:
+            raise
+        return Submission("existing", key, active)
+    return Submission("queued", key, job.id)
+
+
+def known_outcome(
+    session: Session, identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain
+) -> Submission | None:
+    """The hit, or the active job for the same cache key; None when a new job is needed.
+    Reads only the database: what `submit` answers before it needs the store."""
+    key = key_for(identity, spec, toolchain)
+    if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
+        return Submission("hit", key)
+    active = _active_job_id(session, key)
+    if active is not None:
+        return Submission("existing", key, active)
+    return None
+
+
+def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:
+    """The digests among `digests` whose files the store lacks."""
+    return sorted({sha for sha in digests if not store.exists(model_storage_key(sha))})
+
+
+def upload_model_files(store: BlobStore, model: ModelRef, only: Iterable[str] | None = None):
+    """Upload the model's files (those in `only`, or all), each verified against its digest."""
+    wanted = set(model.identity.values()) if only is None else set(only)
+    for role, path in model.files.items():
+        sha = model.identity[role]
+        if sha in wanted:
+            store.put_file(model_storage_key(sha), path, expected_sha256=sha)
+
+
+@dataclass(frozen=True)
+class MatrixSubmission:
+    """What `submit_matrix` answers: one `Submission` per spec, in the order given."""
+
+    submission_id: str
+    results: list[tuple[CompileSpec, Submission]]
+
+
+def submit_matrix(
+    session: Session,
+    store: BlobStore,
+    settings: Settings,
+    dispatcher: Dispatcher,
+    identity: Mapping[str, str],
+    specs: Sequence[CompileSpec],
+    toolchain: Toolchain,
+    *,
+    describe_model: Callable[[], ModelInfo],
+    upload_from: ModelRef | None = None,
+    submitter: str | None = None,
+    refuse_uncompilable: bool = False,
+) -> MatrixSubmission:
+    """Submit one model for every spec of a matrix: the one submit use case of the farm.
+
+    Per spec: the hit or the active job (read from the database only), or a new job on the
+    queue its target and model size route it to. Every new row is committed before any job is
+    dispatched. `describe_model` (name, digests, size) is called only when a job is to be
+    created, at most once: a hit asks the store nothing. `upload_from`: the model's files on
+    this host, uploaded when the store lacks them (the direct CLI); without it a new job whose
+    files the store lacks raises ModelMissing (the API answers 409 and the client uploads).
+    `refuse_uncompilable`: the embedded CLI compiles on this host, so a new job for a target
+    this host cannot compile is refused (CompilerUnavailable) before anything is stored; the
+    embedded API records such a job, which then fails with the same reason.
+    """
+    submission_id = uuid.uuid4().hex
+    results: list[tuple[CompileSpec, Submission]] = []
+    to_send: list[tuple[int, str]] = []
+    model: ModelInfo | None = None
+    for spec in specs:
+        outcome = known_outcome(session, identity, spec, toolchain)
+        if outcome is None:
+            if refuse_uncompilable:
+                reason = host.unavailable_reason(spec.target)
+                if reason:
+                    raise CompilerUnavailable(reason)
+            model = model or describe_model()
+            queue = route(settings, spec.target, model.size_bytes)
+            new = functools.partial(
+                submit,
+                session,
+                store,
+                model,
+                spec,
+                toolchain,
+                queue=queue,
+                submitter=submitter,
+                submission_id=submission_id,
+                max_attempts=settings.max_attempts,
+            )
+            try:
+                outcome = new()
+            except ModelMissing as missing:
+                if upload_from is None:
+                    raise
+                upload_model_files(store, upload_from, missing.missing)
+                outcome = new()
+            if outcome.outcome == "queued":
+                assert outcome.job_id is not None
+                to_send.append((outcome.job_id, queue))
+        results.append((spec, outcome))
+    for job_id, queue in to_send:
+        dispatch(session, dispatcher, job_id, queue)
+    return MatrixSubmission(submission_id, results)
+
+
+def route(settings: Settings, target: Target, model_bytes: int) -> str:
+    """The queue of a new job: its target's, `.large` for big models; embedded: no broker."""
+    if not settings.served:
+        return EMBEDDED_QUEUE
+    return routing.queue_name(target, model_bytes > settings.large_model_bytes)
+
+
+def register_model(session: Session, model: ModelInfo) -> Model:
+    """The model's row, created on first sight."""
+    digest = hashing.model_digest(model.identity)
+    row = session.scalar(select(Model).where(Model.digest == digest))
+    if row is not None:
+        return row
+    row = Model(
+        digest=digest,
+        format="onnx" if "onnx" in model.identity else "ir",
+        files=dict(model.identity),
+        size_bytes=model.size_bytes,
+        name=model.name,
+        created_at=now(),
+    )
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        # Same model registered concurrently: use the row that won.
+        return session.scalars(select(Model).where(Model.digest == digest)).one()
+    return row
+
+
+def cancel(session: Session, job_id: int) -> Job:
+    """Cancel a job: a queued one never starts; a running one is stopped by its worker."""
+    job = get_job(session, job_id)
+    dropped = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.QUEUED)
+        .values(
+            state=JobState.CANCELLED,
+            cancel_requested=True,
+            finished_at=now(),
+            error="cancelled before it started",
+        )
+    )
+    if dropped.rowcount == 0:  # running (perhaps claimed a moment ago) or already finished
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.RUNNING)
+            .values(cancel_requested=True)
+        )
+    session.commit()
+    session.refresh(job)
+    return job
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id}")
+    return job
+
+
+def latest_job_for_key(session: Session, cache_key: str) -> Job | None:
+    return session.scalar(
+        select(Job).where(Job.cache_key == cache_key).order_by(Job.id.desc()).limit(1)
+    )
+
+
+def list_jobs(
+    session: Session,
+    state: str | None = None,
+    target: str | None = None,
+    limit: int = 50,
+    *,
+    model: str | None = None,
+    submitter: str | None = None,
+    since: datetime | None = None,
+    cache_key: str | None = None,
+) -> list[Job]:
+    """Newest first. `model` is a model digest or a model's file name; a `since` without a
+    time zone is UTC."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if state:
+        query = query.where(Job.state == state)
+    if target:
+        query = query.where(Job.target == Target.parse(target).name)
+    if model:
+        query = query.join(Model, Model.id == Job.model_id).where(
+            (Model.digest == model) | (Model.name == model)
+        )
+    if submitter:
+        query = query.where(Job.submitter == submitter)
+    if since:
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)
+        query = query.where(Job.created_at >= since)
+    if cache_key:
+        query = query.where(Job.cache_key == cache_key)
+    return list(session.scalars(query))
+
+
+def _active_job_id(session: Session, key: str) -> int | None:
+    return session.scalar(select(Job.id).where(Job.cache_key == key, Job.state.in_(ACTIVE_STATES)))

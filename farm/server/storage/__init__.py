@@ -1,0 +1,205 @@
+"""Blob and model storage: one small interface, one class per URL scheme.
+
+Keys are relative, slash-separated: ``models/<sha256>``, ``blobs/<cache_key>.blob``.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from farm.core.errors import ChecksumMismatch, InvalidKey, StorageError
+
+if TYPE_CHECKING:
+    from farm.core.config import Settings
+
+
+def model_storage_key(sha256: str) -> str:
+    """Model files are content-addressed: one object per file digest, uploaded once."""
+    return f"models/{sha256}"
+
+
+def blob_storage_key(cache_key: str) -> str:
+    return f"blobs/{cache_key}.blob"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    sha256: str
+
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_key(key: str) -> str:
+    """A key is slash-separated plain segments: no `..`, no absolute path, no odd bytes."""
+    segments = key.split("/")
+    if not key or any(s in ("", ".", "..") or not _SEGMENT.match(s) for s in segments):
+        raise InvalidKey(f"invalid storage key {key!r}")
+    return key
+
+
+class ObjectWriter(abc.ABC):
+    """One object written as a stream of bytes, hashed as they pass: `write` them in order,
+    then `commit`. Nothing is visible under the key before `commit`; leaving the `with` block
+    without it (or a failed commit) discards what was written.
+
+    With `expected_sha256`, `commit` refuses bytes with another digest (ChecksumMismatch) and
+    stores nothing.
+    """
+
+    chunk_bytes: int = 1 << 20
+    """The write size this store handles best (callers reading a file use it)."""
+
+    def __init__(self, key: str, expected_sha256: str | None) -> None:
+        self.key = check_key(key)
+        self.expected_sha256 = expected_sha256
+        self.size = 0
+        self._digest = hashlib.sha256()
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        self._digest.update(data)
+        self.size += len(data)
+        self._write(data)
+
+    def commit(self) -> StoredObject:
+        sha256 = self._digest.hexdigest()
+        if self.expected_sha256 is not None and sha256 != self.expected_sha256:
+            raise ChecksumMismatch(
+                f"{self.key}: the bytes have sha256 {sha256}, expected {self.expected_sha256}; "
+                "nothing stored"
+            )
+        stored = self._commit(sha256)
+        self._done = True
+        return stored
+
+    def close(self) -> None:
+        """Discard what was written, unless committed."""
+        if not self._done:
+            self._done = True
+            self._discard()
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def _write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _commit(self, sha256: str) -> StoredObject:
+        """Make the object visible under its key; `sha256` is the digest of all its bytes."""
+
+    @abc.abstractmethod
+    def _discard(self) -> None:
+        """Drop what was written; must not block for long (it may run on an event loop)."""
+
+
+class BlobStore(abc.ABC):
+    """Where model files and blobs live. Writes are all-or-nothing."""
+
+    @abc.abstractmethod
+    def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
+        """A writer for a new object under `key` (see ObjectWriter)."""
+
+    def put_file(
+        self, key: str, path: str | Path, expected_sha256: str | None = None
+    ) -> StoredObject:
+        """Store the file at `path` under `key`, hashing it on the way (one pass over it);
+        refuse a mismatch with `expected_sha256`."""
+        with self.writer(key, expected_sha256) as writer, open(path, "rb") as source:
+            while chunk := source.read(writer.chunk_bytes):
+                writer.write(chunk)
+            return writer.commit()
+
+    @abc.abstractmethod
+    def get_file(self, key: str, dest: str | Path) -> None:
+        """Copy the object to `dest`."""
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO: ...
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> StoredObject | None:
+        """Size and sha256 of the object, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise StorageError with one line naming the setting to fix if the store is unusable."""
+
+
+# Optional capabilities. A store declares one by deriving from it; callers ask
+# `isinstance(store, Presigning)` instead of probing for attributes.
+
+
+class Presigning(abc.ABC):
+    """Hands out time-limited URLs that fetch an object without the store's credentials."""
+
+    @abc.abstractmethod
+    def presigned_url(self, key: str, expires_seconds: int = 3600) -> str: ...
+
+
+class LocalPaths(abc.ABC):
+    """Objects are files on this host's disk, which readers may open (or link) in place."""
+
+    @abc.abstractmethod
+    def local_path(self, key: str) -> Path:
+        """The object's own file (read it, never write it)."""
+
+
+class AbortsStaleUploads(abc.ABC):
+    """Multipart uploads can be left unfinished by a dead writer; the reconciler aborts them."""
+
+    @abc.abstractmethod
+    def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
+        """Abort unfinished uploads started more than `older_than` ago; returns their keys."""
+
+
+def _local(url: str, settings: Settings | None) -> BlobStore:
+    from farm.server.storage.local import LocalStore
+
+    return LocalStore(url.removeprefix("file://"))
+
+
+def _s3(url: str, settings: Settings | None) -> BlobStore:
+    from farm.server.storage.s3 import S3Settings, S3Store
+
+    options = {}
+    if settings is not None:
+        options = {
+            "endpoint_url": settings.s3_endpoint_url,
+            "region": settings.s3_region,
+            "access_key_id": settings.s3_access_key_id,
+            "secret_access_key": settings.s3_secret_access_key,
+            "checksums": settings.s3_checksums,
+        }
+    return S3Store(S3Settings.from_url(url, **options))
+
+
+_SCHEMES = {"file": _local, "s3": _s3}
+
+
+def open_store(url: str, settings: Settings | None = None) -> BlobStore:
+    """`file:///path` or a bare path → LocalStore, `s3://bucket/prefix` → S3Store."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme not in _SCHEMES:
+        raise StorageError(
+            f"unknown storage URL scheme {scheme!r} in {url!r}; known: {', '.join(_SCHEMES)}"
+        )
+    return _SCHEMES[scheme](url, settings)

@@ -1,0 +1,85 @@
+"""Rows as plain dicts: the one shape jobs, logs, blobs and workers take in CLI output and API
+answers. The direct CLI and the API both build their answers here, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from farm.server import routing
+from farm.server.db.models import Blob, Job, Worker
+
+
+def job_dict(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "cache_key": job.cache_key,
+        "target": job.target,
+        "state": job.state,
+        "queue": job.queue,
+        "worker": job.worker,
+        "submitter": job.submitter,
+        "submission_id": job.submission_id,
+        "spec": job.spec,
+        "error": job.error,
+        "attempts": job.attempts,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "compile_seconds": job.compile_seconds,
+        "export_seconds": job.export_seconds,
+        "peak_rss_bytes": job.peak_rss_bytes,
+    }
+
+
+def blob_dict(blob: Blob) -> dict[str, Any]:
+    return {
+        "cache_key": blob.cache_key,
+        "target": blob.target,
+        "model": dict(blob.model.files),
+        "openvino": blob.openvino_version,
+        "toolchain": blob.toolchain,
+        "size_bytes": blob.size_bytes,
+        "sha256": blob.sha256,
+        "payload_offset": blob.payload_offset,
+        "spec": blob.spec,
+        "weightless": blob.weightless,
+        "signature": blob.signature,
+        "signing_key_id": blob.signing_key_id,
+        "compile_seconds": blob.compile_seconds,
+        "export_seconds": blob.export_seconds,
+        "created_at": blob.created_at,
+    }
+
+
+def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
+    return {
+        "name": worker.name,
+        "host": worker.host,
+        "live": live,
+        "queues": worker.queues,
+        "targets": worker.targets,
+        "openvino": worker.openvino_version,
+        "memory_bytes": worker.memory_bytes,
+        "heartbeat_at": worker.heartbeat_at,
+        "stopped_at": worker.stopped_at,
+    }
+
+
+def job_view(session: Session, job: Job, heartbeat_seconds: int) -> dict[str, Any]:
+    """A job as `farm status` and `GET /v1/jobs/{id}` show it: with the note of a queued job
+    that no live worker can take."""
+    return {**job_dict(job), "note": routing.waiting_note(session, job, heartbeat_seconds)}
+
+
+def log_view(job: Job) -> dict[str, Any]:
+    """`{"id", "state", "log"}`: the compiler's log, or the error of a job that never ran."""
+    return {"id": job.id, "state": job.state, "log": job.log or job.error or ""}
+
+
+def workers_view(session: Session, heartbeat_seconds: int) -> list[dict[str, Any]]:
+    """Every registered worker, newest heartbeat first, each marked live or not."""
+    live = {w.name for w in routing.live_workers(session, heartbeat_seconds)}
+    return [worker_dict(w, w.name in live) for w in routing.all_workers(session)]

@@ -1,0 +1,146 @@
+"""OpenVINO facts about this host: its release, the toolchain it records for a target, the
+properties a compile spec means, which targets it can compile, and why a compile failed.
+
+Imports OpenVINO and farm's core only: workers, submitters and edges (a fallback compile) all
+use it. The facts behind it are measured in docs/openvino.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import cache
+
+import numpy as np
+import openvino as ov
+from openvino import opset13 as ops
+
+from farm.core.errors import CompileError, CompilerUnavailable
+from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target, Toolchain
+
+NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
+
+
+def openvino_release() -> str:
+    """``2026.4.1`` from the full build string ``2026.4.1-22982-e213a147257-releases/2026/4``."""
+    return ov.get_version().split("-", 1)[0]
+
+
+def compile_properties(spec: CompileSpec) -> dict[str, str]:
+    """OpenVINO properties for `spec`, as strings (they are logged and stored with the job)."""
+    target = spec.target
+    props: dict[str, str] = {}
+    if target.is_npu:
+        props["NPU_PLATFORM"] = target.platform
+        # Without a device the plugin cannot learn the tile count; it needs the platform's.
+        props["NPU_MAX_TILES"] = str(target.max_tiles)
+        if spec.tiles is not None:
+            props["NPU_TILES"] = str(spec.tiles)
+        if spec.compiler_params:
+            props["NPU_COMPILATION_MODE_PARAMS"] = spec.canonical()["compiler_params"]
+        if spec.batch is not None:
+            # The model is reshaped to this batch: compile it at that batch, rather than let
+            # AUTO decide by what the host's driver supports (--config NPU_BATCH_MODE wins).
+            props["NPU_BATCH_MODE"] = "COMPILER"
+    if spec.performance_hint:
+        props["PERFORMANCE_HINT"] = spec.performance_hint
+    if spec.weightless:
+        # ENABLE_WEIGHTLESS alone does nothing on export; OPTIMIZE_SIZE drops the weights.
+        props["CACHE_MODE"] = "OPTIMIZE_SIZE"
+    props.update(spec.config)
+    return props
+
+
+def toolchain_of(compiled: ov.CompiledModel, target: Target) -> Toolchain:
+    """The toolchain facts of a compiled model, read back from OpenVINO."""
+    npu_compiler = None
+    runtime_requirements = None
+    if target.is_npu:
+        npu_compiler = str(_property_or_none(compiled, "NPU_COMPILER_VERSION"))
+    else:
+        runtime_requirements = str(compiled.get_property("RUNTIME_REQUIREMENTS"))
+    return Toolchain(
+        openvino=openvino_release(),
+        openvino_build=ov.get_version(),
+        npu_compiler=npu_compiler,
+        runtime_requirements=runtime_requirements,
+    )
+
+
+@cache
+def host_toolchain(target: Target) -> Toolchain:
+    """The toolchain this host would record for `target`, without compiling the user's model.
+
+    For CPU this compiles a one-op model to learn the RUNTIME_REQUIREMENTS string (the
+    COMPATIBILITY_CHECK property raises TypeError in the 2026.4 Python binding).
+    """
+    if target.is_npu:
+        return Toolchain(openvino=openvino_release(), openvino_build=ov.get_version())
+    compiled = ov.Core().compile_model(tiny_model(), "CPU")
+    return toolchain_of(compiled, target)
+
+
+@cache
+def unavailable_reason(target: Target) -> str | None:
+    """None if this host compiles for `target`, else why not (a tiny model, the real compiler)."""
+    props = compile_properties(CompileSpec.create(target))
+    try:
+        ov.Core().compile_model(tiny_model(), device_name(target), props)
+    except Exception as error:
+        return str(classify_failure(target, error))
+    return None
+
+
+def probe_targets() -> dict[str, str | None]:
+    """Which targets this host can compile: target name → None if it can, else the reason."""
+    return {name: unavailable_reason(Target.parse(name)) for name in KNOWN_TARGETS}
+
+
+def device_name(target: Target) -> str:
+    # NPU_PLATFORM selects the platform; the device name stays "NPU" so no device is required.
+    return target.device
+
+
+def classify_failure(target: Target, error: Exception) -> CompileError | CompilerUnavailable:
+    """Classify an OpenVINO compile exception: the host's fault or the model's."""
+    text = str(error)
+    if target.is_npu:
+        if NPU_COMPILER_LIBRARY in text or "compiler loading failed" in text.lower():
+            library = re.search(r'Cannot load library "([^"]+)"', text)
+            where = os.path.normpath(library.group(1)) if library else NPU_COMPILER_LIBRARY
+            return CompilerUnavailable(
+                f"cannot compile for {target}: the NPU compiler library {NPU_COMPILER_LIBRARY} "
+                f"is missing (looked for {where}). Install the NPU compiler next to OpenVINO, "
+                f"or run this job on a host that has it."
+            )
+        if "Could not find an NPU device" in text:
+            return CompilerUnavailable(
+                f"cannot compile for {target}: no NPU device, which the driver compiler "
+                f"(NPU_COMPILER_TYPE=DRIVER) requires. Use the plugin compiler "
+                f"(NPU_COMPILER_TYPE=PLUGIN, library {NPU_COMPILER_LIBRARY}) on this host."
+            )
+    return CompileError(f"OpenVINO failed to compile for {target}: {last_line(error)}")
+
+
+def tiny_model() -> ov.Model:
+    data = ops.parameter([1, 8], ov.Type.f32, name="x")
+    weights = ops.constant(np.ones((8, 8), dtype=np.float32))
+    return ov.Model([ops.relu(ops.matmul(data, weights, False, False))], [data], "farm_probe")
+
+
+def _property_or_none(compiled: ov.CompiledModel, name: str) -> object | None:
+    try:
+        return compiled.get_property(name)
+    except Exception:
+        return None
+
+
+def last_line(error: Exception) -> str:
+    """OpenVINO errors carry a C++ stack of 'Exception from ...' lines; keep the message."""
+    lines = [
+        line.strip()
+        for line in str(error).splitlines()
+        if line.strip() and not line.startswith("Exception from")
+    ]
+    message = " ".join(lines) or type(error).__name__
+    return re.sub(r"Check '.*?' failed at \S+:\d+:\s*", "", message)
