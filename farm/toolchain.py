@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import re
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+from farm.core.checks import Check
 from farm.core.errors import CompileError, CompilerUnavailable
-from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target, Toolchain
+from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target, Toolchain, compile_properties
 
 NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
 
@@ -24,31 +26,6 @@ NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
 def openvino_release() -> str:
     """``2026.4.1`` from the full build string ``2026.4.1-22982-e213a147257-releases/2026/4``."""
     return ov.get_version().split("-", 1)[0]
-
-
-def compile_properties(spec: CompileSpec) -> dict[str, str]:
-    """OpenVINO properties for `spec`, as strings (they are logged and stored with the job)."""
-    target = spec.target
-    props: dict[str, str] = {}
-    if target.is_npu:
-        props["NPU_PLATFORM"] = target.platform
-        # Without a device the plugin cannot learn the tile count; it needs the platform's.
-        props["NPU_MAX_TILES"] = str(target.max_tiles)
-        if spec.tiles is not None:
-            props["NPU_TILES"] = str(spec.tiles)
-        if spec.compiler_params:
-            props["NPU_COMPILATION_MODE_PARAMS"] = spec.canonical()["compiler_params"]
-        if spec.batch is not None:
-            # The model is reshaped to this batch: compile it at that batch, rather than let
-            # AUTO decide by what the host's driver supports (--config NPU_BATCH_MODE wins).
-            props["NPU_BATCH_MODE"] = "COMPILER"
-    if spec.performance_hint:
-        props["PERFORMANCE_HINT"] = spec.performance_hint
-    if spec.weightless:
-        # ENABLE_WEIGHTLESS alone does nothing on export; OPTIMIZE_SIZE drops the weights.
-        props["CACHE_MODE"] = "OPTIMIZE_SIZE"
-    props.update(spec.config)
-    return props
 
 
 def toolchain_of(compiled: ov.CompiledModel, target: Target) -> Toolchain:
@@ -144,3 +121,18 @@ def last_line(error: Exception) -> str:
     ]
     message = " ".join(lines) or type(error).__name__
     return re.sub(r"Check '.*?' failed at \S+:\d+:\s*", "", message)
+
+
+def openvino_checks() -> list[Check]:
+    """`farm doctor`'s view of this host: OpenVINO, devices, NPU libraries, compilable targets."""
+    libs = Path(ov.__file__).parent / "libs"
+    checks = [
+        Check("openvino", True, ov.get_version()),
+        Check("devices", True, ", ".join(ov.Core().available_devices) or "none"),
+    ]
+    for library in ("libopenvino_intel_npu_plugin.so", NPU_COMPILER_LIBRARY):
+        found = (libs / library).exists()
+        checks.append(Check(library, found, str(libs / library) if found else "missing"))
+    for target, reason in probe_targets().items():
+        checks.append(Check(f"compile {target}", reason is None, reason or "compiles here"))
+    return checks

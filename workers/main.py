@@ -7,9 +7,8 @@ import os
 import socket
 import threading
 
+import openvino as ov
 from celery import signals
-from farm.workers import tasks
-from farm.workers.app import make_app
 
 from farm import toolchain
 from farm.core import errors
@@ -17,6 +16,9 @@ from farm.core.config import Settings
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
 from farm.server.doctor import ServiceUnavailable, require_services, signing_check
+
+from . import tasks
+from .app import make_app
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ def run_worker(
 
     @signals.worker_ready.connect(weak=False)
     def on_ready(**_: object) -> None:
-        import openvino as ov
-
         with tasks.context().sessions() as session:
             routing.register_worker(
                 session,

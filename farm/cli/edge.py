@@ -28,6 +28,7 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
+from farm.cli.jobs import specs_from_options
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.identity import ModelRef, key_for
@@ -36,7 +37,7 @@ from farm.core.spec import SpecError, Target
 
 def edge_agent():
     """The agent over the API (FARM_API_URL) or, without it, over the embedded farm."""
-    from farm.edge import agent_from_settings
+    from farm.edge import agent_from_settings  # OpenVINO loads with the edge: only when used
 
     return agent_from_settings(get_settings(), backend())
 
@@ -46,8 +47,7 @@ def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None
     with the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
         return check_key(key_or_model), None
-    from farm.cli.jobs import specs_from_options
-    from farm.toolchain import host_toolchain
+    from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
 
     specs = specs_from_options(options)
     if len(specs) != 1:
@@ -112,7 +112,7 @@ def pull(
         _copy_atomically(fetched.path, output)
         data["output"] = str(output)
     if into_cache_dir is not None:
-        from farm.edge.dropin import write_cache_entry
+        from farm.edge.dropin import write_cache_entry  # the edge: only when used
 
         entry = write_cache_entry(fetched.path, into_cache_dir, key, for_model)
         data["cache_entry"] = str(entry)
@@ -158,7 +158,7 @@ def _copy_atomically(source: Path, output: Path) -> None:
 @handle_errors
 def run(blob: Path, device: str, weights: Path | None, as_json: bool) -> None:
     """Import BLOB with OpenVINO and run one inference on random input."""
-    from farm.edge import import_blob, infer_once
+    from farm.edge import import_blob, infer_once  # OpenVINO: only when used
 
     target = Target.parse(device)
     try:
@@ -197,7 +197,7 @@ def sync(manifest: Path, interval: float | None, do_import: bool, as_json: bool)
     """Pull every model and spec listed in MANIFEST (TOML); report what the farm lacks.
 
     Exit code 3 when the farm lacks some of them (so a script can tell)."""
-    from farm.edge.sync import load_manifest, sync_once
+    from farm.edge.sync import load_manifest, sync_once  # the edge: only when used
 
     entries = load_manifest(manifest)
     while True:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.table import Table
 
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
@@ -37,6 +38,7 @@ from farm.cli.common import (
 from farm.core import hashing
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
+from farm.core.errors import NotFound
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, SpecError
 from farm.core.vocabulary import FINAL_STATES, JobState
@@ -46,8 +48,6 @@ WAIT_POLL_SECONDS = 0.5
 
 def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
     """The spec flags as a matrix: `--device 3720,4000 --batch 1,4` gives four specs."""
-    from farm.core.config import get_settings
-
     devices = _split(options["device"])
     try:
         tiles = [int(t) for t in _split(options["tiles"])] or [None]
@@ -176,8 +176,6 @@ def _print_submission(answer: dict, as_json: bool) -> None:
 @handle_errors
 def status(job_or_key: str, as_json: bool) -> None:
     """Show a job (by number) or a cache key (its blob, or its latest job)."""
-    from farm.core.errors import NotFound
-
     farm = backend()
     if job_or_key.isdigit():
         job = farm.job(int(job_or_key))
@@ -213,8 +211,6 @@ def jobs(
     state, target, model, submitter, since: datetime | None, limit: int, as_json: bool
 ) -> None:
     """List jobs, newest first."""
-    from rich.table import Table
-
     for flag, value in (("--model", model), ("--submitter", submitter)):
         if value is not None and not value.isprintable():
             raise SpecError(f"{flag} {value!r} has control characters or is not UTF-8")
@@ -269,8 +265,6 @@ def cancel(job_id: int, as_json: bool) -> None:
 @handle_errors
 def blobs(target: str | None, as_json: bool) -> None:
     """List the stored blobs, newest first."""
-    from rich.table import Table
-
     rows = backend().blobs(target)
 
     def human() -> None:
@@ -295,8 +289,6 @@ def blobs(target: str | None, as_json: bool) -> None:
 @handle_errors
 def workers(show_all: bool, as_json: bool) -> None:
     """List the workers: what each serves and when it was last seen."""
-    from rich.table import Table
-
     rows = [w for w in backend().workers() if show_all or w["live"]]
 
     def human() -> None:

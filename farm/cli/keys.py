@@ -9,6 +9,8 @@ import click
 from farm.cli import main
 from farm.cli.common import emit, handle_errors, json_option, out
 from farm.core.config import get_settings
+from farm.core.errors import KeyFileError
+from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
 
 
 @main.group()
@@ -27,8 +29,6 @@ def keys() -> None:
 @handle_errors
 def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
     """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
-    from farm.core.signing import KeyFileError, Signer, create_key_pair, public_key_path
-
     settings = get_settings()
     path = path or settings.signing_key or settings.embedded_signing_key
     try:
@@ -53,8 +53,6 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
 @handle_errors
 def keys_show(as_json: bool) -> None:
     """This host's signing key (if any) and the keys it trusts."""
-    from farm.core.signing import Signer, TrustedKeys, public_key_path
-
     settings = get_settings()
     signing = settings.resolved_signing_key
     data: dict = {

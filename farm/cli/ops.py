@@ -22,7 +22,7 @@ from farm.core.text import mask_url
 
 def _direct():
     """The farm's database and store, straight (the operator commands need farm[embedded])."""
-    from farm.cli.backends.direct import Direct
+    from farm.cli.backends.direct import Direct  # farm[embedded]: only operator commands
 
     return Direct.open(get_settings())
 
@@ -42,7 +42,7 @@ def _direct():
 @handle_errors
 def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> None:
     """Run a compile worker: probe the targets this host compiles and serve their queues."""
-    from farm.cli.backends.direct import run_worker
+    from farm.cli.backends.direct import run_worker  # farm[embedded]
 
     settings = get_settings()
     if not settings.served:
@@ -57,7 +57,7 @@ def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> Non
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host has (OpenVINO, devices, NPU libraries, targets) and which services answer."""
-    from farm.cli.backends.direct import host_checks
+    from farm.cli.backends.direct import host_checks  # farm[embedded]
 
     checks = host_checks(get_settings())
     rows = [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks]
@@ -133,7 +133,7 @@ def db() -> None:
 @handle_errors
 def db_upgrade(as_json: bool) -> None:
     """Bring the database schema to the latest migration."""
-    from farm.cli.backends.direct import upgrade_schema
+    from farm.cli.backends.direct import upgrade_schema  # farm[embedded]
 
     settings = get_settings()
     revision = upgrade_schema(settings)
@@ -152,7 +152,7 @@ def db_upgrade(as_json: bool) -> None:
 @handle_errors
 def api(host: str, port: int, processes: int) -> None:
     """Serve the HTTP API (uvicorn)."""
-    from farm.cli.backends.direct import serve_api
+    from farm.cli.backends.direct import serve_api  # farm[embedded]
 
     serve_api(host, port, processes)
 

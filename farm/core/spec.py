@@ -480,3 +480,28 @@ def _parse_config(target: Target, config: Mapping[str, str] | Iterable[str] | No
             )
         result[key] = allowed[key].normalize(key, raw_value)
     return result
+
+
+def compile_properties(spec: CompileSpec) -> dict[str, str]:
+    """OpenVINO properties for `spec`, as strings (they are logged and stored with the job)."""
+    target = spec.target
+    props: dict[str, str] = {}
+    if target.is_npu:
+        props["NPU_PLATFORM"] = target.platform
+        # Without a device the plugin cannot learn the tile count; it needs the platform's.
+        props["NPU_MAX_TILES"] = str(target.max_tiles)
+        if spec.tiles is not None:
+            props["NPU_TILES"] = str(spec.tiles)
+        if spec.compiler_params:
+            props["NPU_COMPILATION_MODE_PARAMS"] = spec.canonical()["compiler_params"]
+        if spec.batch is not None:
+            # The model is reshaped to this batch: compile it at that batch, rather than let
+            # AUTO decide by what the host's driver supports (--config NPU_BATCH_MODE wins).
+            props["NPU_BATCH_MODE"] = "COMPILER"
+    if spec.performance_hint:
+        props["PERFORMANCE_HINT"] = spec.performance_hint
+    if spec.weightless:
+        # ENABLE_WEIGHTLESS alone does nothing on export; OPTIMIZE_SIZE drops the weights.
+        props["CACHE_MODE"] = "OPTIMIZE_SIZE"
+    props.update(spec.config)
+    return props

@@ -1,37 +1,21 @@
-"""What this host has and can do: OpenVINO, devices, NPU libraries, compilable targets, and
-whether the configured services answer. Used by `farm doctor` and at `farm worker` start-up."""
+"""Whether the configured services answer and this host signs what it compiles: `farm doctor`,
+`/readyz` and `farm worker` start-up. (What OpenVINO can do here: `farm.toolchain`.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from sqlalchemy import text
 
 from farm.core.checks import Check
 from farm.core.config import Settings
-from farm.core.errors import ServiceUnavailable
-
-
-def openvino_checks() -> list[Check]:
-    import openvino as ov
-
-    from farm import toolchain
-
-    libs = Path(ov.__file__).parent / "libs"
-    checks = [
-        Check("openvino", True, ov.get_version()),
-        Check("devices", True, ", ".join(ov.Core().available_devices) or "none"),
-    ]
-    for library in ("libopenvino_intel_npu_plugin.so", toolchain.NPU_COMPILER_LIBRARY):
-        found = (libs / library).exists()
-        checks.append(Check(library, found, str(libs / library) if found else "missing"))
-    for target, reason in toolchain.probe_targets().items():
-        checks.append(Check(f"compile {target}", reason is None, reason or "compiles here"))
-    return checks
+from farm.core.errors import KeyFileError, ServiceUnavailable, StorageError
+from farm.core.signing import Signer
+from farm.core.text import mask_url
+from farm.server.db.session import make_engine
+from farm.server.storage import open_store
 
 
 def signing_check(settings: Settings) -> Check:
     """Whether this host signs the blobs it compiles (edges refuse unsigned ones)."""
-    from farm.core.signing import KeyFileError, Signer
-
     path = settings.resolved_signing_key
     if path is None:
         return Check(
@@ -63,13 +47,8 @@ def require_services(settings: Settings) -> None:
 
 
 def _database(settings: Settings) -> Check:
-    from sqlalchemy import text
-    from sqlalchemy.engine import make_url
-
-    from farm.server.db.session import make_engine
-
     url = settings.resolved_database_url
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = mask_url(url)
     try:
         engine = make_engine(url)
         with engine.connect() as connection:
@@ -84,7 +63,7 @@ def _database(settings: Settings) -> Check:
 
 
 def _broker(settings: Settings) -> Check:
-    from kombu import Connection
+    from kombu import Connection  # comes with Celery: farm[server] only
 
     try:
         with Connection(settings.broker_url, connect_timeout=3) as connection:
@@ -99,8 +78,6 @@ def _broker(settings: Settings) -> Check:
 
 
 def _storage(settings: Settings) -> Check:
-    from farm.server.storage import StorageError, open_store
-
     url = settings.resolved_storage_url
     try:
         open_store(url, settings).check()

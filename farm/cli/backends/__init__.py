@@ -80,7 +80,7 @@ class Backend(Protocol):
 def open_backend(settings: Settings) -> Backend:
     """The HTTP API when FARM_API_URL is set, else the database and store directly."""
     if settings.api_url:
-        from farm.cli.backends.http import Http
+        from farm.cli.backends.http import Http  # httpx: only when an API is configured
 
         return Http.from_settings(settings)
     # Only here: the direct backend needs farm[embedded] (SQLAlchemy, the compiler).

@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from farm import toolchain
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.checks import Check
 from farm.core.config import Settings
@@ -204,7 +205,7 @@ def upgrade_schema(settings: Settings) -> str | None:
 def host_checks(settings: Settings) -> list[Check]:
     """`farm doctor`: OpenVINO and its targets, the signing key, and each service."""
     return [
-        *doctor.openvino_checks(),
+        *toolchain.openvino_checks(),
         doctor.signing_check(settings),
         *doctor.service_checks(settings),
     ]

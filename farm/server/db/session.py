@@ -38,7 +38,7 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 
 def alembic_config(url: str):
     """Alembic configuration for `url`, using the migrations shipped inside the package."""
-    from alembic.config import Config
+    from alembic.config import Config  # alembic: only to migrate
 
     config = Config()
     config.set_main_option("script_location", str(files("farm.migrations")))
@@ -48,7 +48,7 @@ def alembic_config(url: str):
 
 def upgrade_database(url: str, revision: str = "head") -> str | None:
     """Upgrade the schema to `revision`; returns the revision the database is at after."""
-    from alembic import command
+    from alembic import command  # alembic: only to migrate
     from alembic.runtime.migration import MigrationContext
 
     engine = make_engine(url)
@@ -63,7 +63,7 @@ def upgrade_database(url: str, revision: str = "head") -> str | None:
 
 
 def downgrade_database(url: str, revision: str = "base") -> None:
-    from alembic import command
+    from alembic import command  # alembic: only to migrate
 
     engine = make_engine(url)
     try:

@@ -8,6 +8,7 @@ is therefore an OpenVINO cache entry; `farm.blobformat` finds the export payload
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -98,8 +99,6 @@ def _peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

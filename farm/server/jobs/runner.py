@@ -26,13 +26,15 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from farm.core import errors
 from farm.core.clock import now
-from farm.core.errors import WorkDiskFull
+from farm.core.errors import CompileCancelled, CompileError, CompileTimeout, WorkDiskFull
 from farm.core.filecache import BlobCache
 from farm.core.signing import Signer
-from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.server.db.models import Blob, Job, Model
 from farm.server.jobs.model_cache import link_model_file
+from farm.server.jobs.sandbox import compile_in_child
 from farm.server.storage import BlobStore, LocalPaths, blob_storage_key, model_storage_key
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,6 @@ def run_job(
 
 def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
     """Returns a function that records the outcome in a session (so recording is one place)."""
-    from farm.core import errors
-    from farm.server.jobs.sandbox import CompileCancelled, CompileTimeout, compile_in_child
-
     spec = CompileSpec.from_canonical(job.target, job.spec)
     with _work_disk(work_dir):
         files = _fetch_model(store, model_row, work_dir, model_cache)
@@ -223,8 +222,6 @@ def _no_room(work_dir: Path, why: str) -> str:
 
 def _check_toolchain(job: Job, produced: Toolchain, target: Target) -> None:
     """Never record a blob under a key whose toolchain is not the one that produced it."""
-    from farm.core.errors import CompileError
-
     if produced.key_part(target) != job.toolchain:
         raise CompileError(
             f"this host's toolchain {produced.key_part(target)} differs from the job's "
@@ -321,8 +318,6 @@ def _release(sessions: sessionmaker[Session], job_id: int, worker: str, error: E
 
 def _failure_log(spec: CompileSpec, message: str, output: str) -> str:
     """A failed job's log: what was asked, why it failed, and what the compiler printed."""
-    from farm.toolchain import compile_properties
-
     lines = [f"{key}={value}" for key, value in sorted(compile_properties(spec).items())]
     lines.append(f"failed: {message}")
     if output.strip():

@@ -70,6 +70,7 @@ def compile_in_child(
     Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes;
     those and CompileTimeout carry the compiler's output in `.output`, for the job log.
     """
+    # OpenVINO stays out of the watching process: only the child loads it and compiles.
     from farm.server.jobs import compiler
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -172,13 +172,13 @@ class AbortsStaleUploads(abc.ABC):
 
 
 def _local(url: str, settings: Settings | None) -> BlobStore:
-    from farm.server.storage.local import LocalStore
+    from farm.server.storage.local import LocalStore  # imports this module
 
     return LocalStore(url.removeprefix("file://"))
 
 
 def _s3(url: str, settings: Settings | None) -> BlobStore:
-    from farm.server.storage.s3 import S3Settings, S3Store
+    from farm.server.storage.s3 import S3Settings, S3Store  # boto3: only for an s3:// store
 
     options = {}
     if settings is not None:

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
+from farm.core.hashing import sha256_file
 from farm.server.storage import (
     BlobStore,
     LocalPaths,
@@ -49,8 +50,6 @@ class LocalStore(BlobStore, LocalPaths):
         path = self._path(key)
         if not path.is_file():
             return None
-        from farm.core.hashing import sha256_file
-
         return StoredObject(key, path.stat().st_size, sha256_file(path))
 
     def exists(self, key: str) -> bool:
