@@ -245,6 +245,8 @@ def _fetch(url: str, dest: Path, start: int, progress: Progress | None) -> str:
     """
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    if not parts.hostname:
+        raise ApiError(0, "unreachable", f"the download URL has no host: {url[:200]}")
     connection = kind(parts.hostname, parts.port, timeout=DOWNLOAD_TIMEOUT_SECONDS)
     target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
     try:

@@ -41,7 +41,7 @@ from farm.core.digests import digest_cache
 from farm.core.errors import NotFound
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, SpecError
-from farm.core.vocabulary import FINAL_STATES, JobState
+from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
 
 WAIT_POLL_SECONDS = 0.5
 
@@ -50,8 +50,8 @@ def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
     """The spec flags as a matrix: `--device 3720,4000 --batch 1,4` gives four specs."""
     devices = _split(options["device"])
     try:
-        tiles = [int(t) for t in _split(options["tiles"])] or [None]
-        batches = [int(b) for b in _split(options["batch"])] or [None]
+        tiles: list[int | None] = [int(t) for t in _split(options["tiles"])] or [None]
+        batches: list[int | None] = [int(b) for b in _split(options["batch"])] or [None]
     except ValueError as error:
         raise SpecError(f"--tiles and --batch take integers: {error}") from None
     # Each spec is a compile; the API has the same limit (HTTP 422 matrix_too_large).
@@ -182,24 +182,22 @@ def status(job_or_key: str, as_json: bool) -> None:
         emit(job, as_json, functools.partial(print_job, job))
         return
     key = check_key(job_or_key)
-    blob, job = farm.resolve(key), farm.latest_job(key)
-    if blob is None and job is None:
+    blob, latest = farm.resolve(key), farm.latest_job(key)
+    if blob is None and latest is None:
         raise NotFound(f"no blob and no job for cache key {key}")
 
     def human() -> None:
         out.print(f"cache key  {key}")
         if blob is not None:
             print_blob(blob)
-        if job is not None:
-            print_job(job)
+        if latest is not None:
+            print_job(latest)
 
-    emit({"cache_key": key, "blob": blob, "job": job}, as_json, human)
+    emit({"cache_key": key, "blob": blob, "job": latest}, as_json, human)
 
 
 @main.command()
-@click.option(
-    "--state", type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"])
-)
+@click.option("--state", type=click.Choice(JOB_STATES))
 @click.option("--target", help="Only jobs for this target.")
 @click.option("--model", help="Only jobs of this model (digest or file name).")
 @click.option("--submitter", help="Only jobs of this submitter (token name).")

@@ -84,7 +84,8 @@ def reconcile(as_json: bool) -> None:
         as_json,
         lambda: out.print(
             f"failed {report['failed']}, taken back {report['taken_back']}, "
-            f"re-sent {report['resent']}, aborted uploads {len(report['aborted_uploads'])}"
+            f"cancelled {report['cancelled']}, re-sent {report['resent']}, "
+            f"aborted uploads {len(report['aborted_uploads'])}"
         ),
     )
 

@@ -244,6 +244,8 @@ class CompileTimeout(FarmError):
     """The compile ran past `FARM_MAX_RUN_SECONDS` and was killed."""
 
     kind, code = Kind.JOB_FAILED, "compile_timeout"
+    output: str = ""
+    """What the compiler printed before it was killed."""
 
 
 # --- the HTTP API ----------------------------------------------------------------------------
@@ -283,7 +285,8 @@ class ApiError(FarmError):
 def kind_of_code(code: str) -> Kind | None:
     """The kind of the farm error with this `code`, so an answer of the API keeps the kind the
     server's error had (a `compiler_unavailable` is exit 4 on both sides of HTTP)."""
-    pending, kinds = [FarmError], {}
+    pending: list[type[FarmError]] = [FarmError]
+    kinds: dict[str, Kind] = {}
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())

@@ -315,7 +315,9 @@ def _check_tiles(target: Target, tiles: int | None) -> int | None:
         raise SpecError(f"tiles apply to NPU targets only, not {target}")
     if isinstance(tiles, bool) or not isinstance(tiles, int):
         raise SpecError(f"tiles={tiles!r} must be an integer")
-    if not 1 <= tiles <= target.max_tiles:
+    maximum = target.max_tiles
+    assert maximum is not None  # an NPU target has its platform's maximum
+    if not 1 <= tiles <= maximum:
         raise SpecError(
             f"tiles={tiles} is outside what {target} supports (1 to {target.max_tiles})"
         )
@@ -487,6 +489,7 @@ def compile_properties(spec: CompileSpec) -> dict[str, str]:
     target = spec.target
     props: dict[str, str] = {}
     if target.is_npu:
+        assert target.platform is not None  # every NPU target names its platform
         props["NPU_PLATFORM"] = target.platform
         # Without a device the plugin cannot learn the tile count; it needs the platform's.
         props["NPU_MAX_TILES"] = str(target.max_tiles)

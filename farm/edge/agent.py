@@ -52,6 +52,8 @@ class BlobSource(Protocol):
         error: str | None = None,
     ) -> Any: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Fetched:

@@ -91,7 +91,7 @@ class FarmContext:
         root = self.settings.cache_dir / "models"
         return BlobCache(root, self.settings.worker_model_cache_bytes)
 
-    def run(self, job_id: int) -> Job:
+    def run(self, job_id: int) -> Job | None:
         """Run job `job_id` here: claim, compile in a child, store, record."""
         return run_job(
             self.sessions,

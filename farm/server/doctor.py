@@ -65,6 +65,7 @@ def _database(settings: Settings) -> Check:
 def _broker(settings: Settings) -> Check:
     from kombu import Connection  # comes with Celery: farm[server] only
 
+    shown = mask_url(settings.broker_url or "")
     try:
         with Connection(settings.broker_url, connect_timeout=3) as connection:
             connection.ensure_connection(max_retries=1, timeout=3)
@@ -72,9 +73,9 @@ def _broker(settings: Settings) -> Check:
         return Check(
             "broker",
             False,
-            f"cannot reach the broker {settings.broker_url} (FARM_BROKER_URL): {error}",
+            f"cannot reach the broker {shown} (FARM_BROKER_URL): {error}",
         )
-    return Check("broker", True, settings.broker_url)
+    return Check("broker", True, shown)
 
 
 def _storage(settings: Settings) -> Check:

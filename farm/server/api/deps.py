@@ -73,7 +73,8 @@ def known_query_only(request: Request) -> None:
 
 
 def _query_names(route: Any) -> set[str]:
-    names, pending = set(), [route.dependant]
+    names: set[str] = set()
+    pending = [route.dependant]
     while pending:
         dependant = pending.pop()
         names.update(field.alias for field in dependant.query_params)

@@ -23,7 +23,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core.clock import now
-from farm.core.vocabulary import JOB_STATES
+from farm.core.vocabulary import JOB_STATES, JobState
 from farm.server.api.deps import caller_with, farm_of
 from farm.server.db.models import Blob, BlobDeletion, Job, Pull, Worker
 from farm.server.routing import MISSED_HEARTBEATS
@@ -67,7 +67,7 @@ class FarmCollector(Collector):
         )
         rows = session.execute(
             select(Job.queue, Job.target, func.count())
-            .where(Job.state == "queued")
+            .where(Job.state == JobState.QUEUED)
             .group_by(Job.queue, Job.target)
         )
         for queue, target, n in rows:
@@ -86,7 +86,7 @@ class FarmCollector(Collector):
         ]
         rows = session.execute(
             select(Job.target, func.count(), func.sum(Job.compile_seconds), *bounds)
-            .where(Job.state == "succeeded", Job.compile_seconds.is_not(None))
+            .where(Job.state == JobState.SUCCEEDED, Job.compile_seconds.is_not(None))
             .group_by(Job.target)
         )
         for target, count, total, *cumulative in rows:
@@ -130,11 +130,11 @@ class FarmCollector(Collector):
                 func.sum(BlobDeletion.failed_pulls),
             ).group_by(BlobDeletion.target)
         )
-        for target, ok, failed in gone:
-            for label, n in (("true", ok), ("false", failed)):
+        for target, delivered, failed in gone:
+            for label, n in (("true", delivered), ("false", failed)):
                 totals[(target, label)] = totals.get((target, label), 0) + int(n or 0)
-        for (target, ok), n in sorted(totals.items()):
-            pulls.add_metric([target, ok], n)
+        for (target, label), n in sorted(totals.items()):
+            pulls.add_metric([target, label], n)
         return pulls
 
     def _workers(self, session: Session) -> Metric:

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from farm.core.vocabulary import Outcome
+
 
 def _no_nul(value: str) -> str:
     # PostgreSQL text cannot hold NUL, and no database UTF-8 holds a lone surrogate (JSON's
@@ -115,7 +117,7 @@ class JobOut(BaseModel):
 class SubmissionResult(BaseModel):
     cache_key: str
     target: str
-    outcome: Literal["hit", "existing", "queued"]
+    outcome: Outcome
     job: JobOut | None
 
 

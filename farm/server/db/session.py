@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from importlib.resources import files
 from pathlib import Path
+from typing import Any, cast
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import CursorResult, make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import Executable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long a SQLite writer waits for another process's write lock before failing."""
@@ -73,3 +75,10 @@ def downgrade_database(url: str, revision: str = "base") -> None:
             command.downgrade(config, revision)
     finally:
         engine.dispose()
+
+
+def rows_changed(session: Session, statement: Executable) -> int:
+    """Run an UPDATE or DELETE and return how many rows it changed: the conditional claims
+    (`UPDATE ... WHERE state = 'queued'`) decide by this count, not by a read before."""
+    result = cast("CursorResult[Any]", session.execute(statement))
+    return result.rowcount

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
+from farm.core.vocabulary import JobState
 from farm.server.db.models import Job
 from farm.server.jobs.dispatch import Dispatcher, dispatch
 from farm.server.storage import AbortsStaleUploads, BlobStore
@@ -32,6 +33,8 @@ class ReconcileReport:
     failed: list[int] = field(default_factory=list)
     taken_back: list[int] = field(default_factory=list)
     resent: list[int] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    """Running jobs whose cancel was requested and whose worker died: ended as cancelled."""
     aborted_uploads: list[str] = field(default_factory=list)
 
 
@@ -48,9 +51,9 @@ def reconcile(
     exhausted = _lock(
         session,
         select(Job).where(
-            Job.state.in_(("queued", "running")),
+            Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
             Job.attempts >= Job.max_attempts,
-            or_(Job.state == "queued", Job.lease_expires_at < at),
+            or_(Job.state == JobState.QUEUED, Job.lease_expires_at < at),
         ),
     )
     for job in exhausted:
@@ -65,7 +68,7 @@ def reconcile(
     waited = _lock(
         session,
         select(Job).where(
-            Job.state == "queued",
+            Job.state == JobState.QUEUED,
             Job.created_at < at - timedelta(seconds=settings.max_queue_seconds),
         ),
     )
@@ -78,17 +81,24 @@ def reconcile(
         report.failed.append(job.id)
     session.commit()
 
-    expired = _lock(session, select(Job).where(Job.state == "running", Job.lease_expires_at < at))
+    expired = _lock(
+        session, select(Job).where(Job.state == JobState.RUNNING, Job.lease_expires_at < at)
+    )
     for job in expired:
+        if job.cancel_requested:  # no claim would take it: end it as its cancel asked
+            job.state, job.error = JobState.CANCELLED, "cancelled while running"
+            job.finished_at, job.lease_expires_at = now(), None
+            report.cancelled.append(job.id)
+            continue
         log.warning("job %s: lease of %s expired; taking it back", job.id, job.worker)
-        job.state, job.lease_expires_at = "queued", None
+        job.state, job.lease_expires_at = JobState.QUEUED, None
         report.taken_back.append(job.id)
     session.commit()
 
     stale = _lock(
         session,
         select(Job).where(
-            Job.state == "queued",
+            Job.state == JobState.QUEUED,
             Job.queue != "embedded",
             or_(
                 Job.sent_at.is_(None),
@@ -99,10 +109,10 @@ def reconcile(
     )
     resend = [(job.id, job.queue) for job in stale]
     session.commit()
-    for job_id, queue in resend:
-        if dispatcher is not None:
+    if dispatcher is not None:
+        for job_id, queue in resend:
             dispatch(session, dispatcher, job_id, queue)
-        report.resent.append(job_id)
+            report.resent.append(job_id)
 
     if isinstance(store, AbortsStaleUploads):
         report.aborted_uploads = store.abort_stale_uploads(
@@ -118,4 +128,9 @@ def _lock(session: Session, query) -> list[Job]:
 
 
 def _fail(job: Job, reason: str) -> None:
-    job.state, job.error, job.finished_at, job.lease_expires_at = "failed", reason, now(), None
+    job.state, job.error, job.finished_at, job.lease_expires_at = (
+        JobState.FAILED,
+        reason,
+        now(),
+        None,
+    )

@@ -32,7 +32,9 @@ from farm.core.errors import CompileCancelled, CompileError, CompileTimeout, Wor
 from farm.core.filecache import BlobCache
 from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
+from farm.core.vocabulary import JobState
 from farm.server.db.models import Blob, Job, Model
+from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
 from farm.server.jobs.sandbox import compile_in_child
 from farm.server.storage import BlobStore, LocalPaths, blob_storage_key, model_storage_key
@@ -57,8 +59,11 @@ class RunLimits:
 def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
     """Take a queued job, or a running one whose lease has expired. False: not ours to run."""
     at = now()
-    claimable = (Job.state == "queued") | ((Job.state == "running") & (Job.lease_expires_at < at))
-    result = session.execute(
+    claimable = (Job.state == JobState.QUEUED) | (
+        (Job.state == JobState.RUNNING) & (Job.lease_expires_at < at)
+    )
+    changed = rows_changed(
+        session,
         update(Job)
         .where(
             Job.id == job_id,
@@ -67,15 +72,15 @@ def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> boo
             Job.attempts < Job.max_attempts,
         )
         .values(
-            state="running",
+            state=JobState.RUNNING,
             worker=worker,
             started_at=at,
             lease_expires_at=at + timedelta(seconds=lease_seconds),
             attempts=Job.attempts + 1,
-        )
+        ),
     )
     session.commit()
-    return result.rowcount == 1
+    return changed == 1
 
 
 def run_job(
@@ -88,8 +93,9 @@ def run_job(
     work_root: Path | None = None,
     signer: Signer | None = None,
     model_cache: BlobCache | None = None,
-) -> Job:
-    """Run job `job_id` to its end if it can be claimed; returns the job row as it ends.
+) -> Job | None:
+    """Run job `job_id` to its end if it can be claimed; returns the job row as it ends
+    (None: no such job).
 
     Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
     database) put the job back in the queue, or fail it when that was its last attempt, and
@@ -100,8 +106,8 @@ def run_job(
     with sessions() as session:
         if not claim(session, job_id, worker, limits.lease_seconds):
             return session.get(Job, job_id)
-        job = session.get(Job, job_id)
-        model_row = session.get(Model, job.model_id)
+        job = session.get_one(Job, job_id)
+        model_row = session.get_one(Model, job.model_id)
     work_dir = Path(tempfile.mkdtemp(prefix=f"farm-job-{job_id}-", dir=work_root))
     lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
     try:
@@ -139,14 +145,20 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
-        return lambda session: _finish(session, job, "cancelled", error="cancelled while running")
+        return lambda session: _finish(
+            session, job, JobState.CANCELLED, error="cancelled while running"
+        )
     except (CompileTimeout, errors.CompileError, errors.CompilerUnavailable) as error:
         message = str(error)  # `error` itself is unbound when the except block ends
         log_text = _failure_log(spec, message, error.output)
-        return lambda session: _finish(session, job, "failed", error=message, log_text=log_text)
+        return lambda session: _finish(
+            session, job, JobState.FAILED, error=message, log_text=log_text
+        )
     stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
     release_free_memory()
-    return lambda session: _record_blob(session, job, model_row, result, stored, output, signer)
+    return lambda session: _record_blob(
+        session, store, job, model_row, result, stored, output, signer
+    )
 
 
 def release_free_memory() -> None:
@@ -232,7 +244,7 @@ def _check_toolchain(job: Job, produced: Toolchain, target: Target) -> None:
 def _finish(session: Session, job: Job, state: str, error: str, log_text: str | None = None):
     session.execute(
         update(Job)
-        .where(Job.id == job.id, Job.state == "running", Job.worker == job.worker)
+        .where(Job.id == job.id, Job.state == JobState.RUNNING, Job.worker == job.worker)
         .values(
             state=state,
             error=error,
@@ -245,9 +257,40 @@ def _finish(session: Session, job: Job, state: str, error: str, log_text: str | 
     return session.get(Job, job.id, populate_existing=True)
 
 
-def _record_blob(session: Session, job: Job, model_row: Model, result, stored, output: str, signer):
+def _record_blob(
+    session: Session,
+    store: BlobStore,
+    job: Job,
+    model_row: Model,
+    result,
+    stored,
+    output: str,
+    signer,
+):
+    """`succeeded` and the blob row in one transaction, unless the job was cancelled while it
+    finished: then the job ends cancelled and the object it stored is deleted (when no blob
+    row of the same key, another job's, claims it)."""
     timings = {"compile_seconds": result.compile_seconds, "export_seconds": result.export_seconds}
     at = now()
+    succeeded = rows_changed(
+        session,
+        update(Job)
+        .where(Job.id == job.id, Job.cancel_requested.is_(False))
+        .values(
+            state=JobState.SUCCEEDED,
+            finished_at=at,
+            lease_expires_at=None,
+            peak_rss_bytes=result.peak_rss_bytes,
+            log=_job_log(result, output),
+            **timings,
+        ),
+    )
+    if not succeeded:
+        session.rollback()
+        ended = _finish(session, job, JobState.CANCELLED, error="cancelled while running")
+        if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
+            store.delete(blob_storage_key(job.cache_key))
+        return ended
     # A blob may already exist if a job whose lease we took back finished after all: then the
     # store refused our write unless the bytes were equal, and one row is enough.
     if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
@@ -271,18 +314,6 @@ def _record_blob(session: Session, job: Job, model_row: Model, result, stored, o
                 **timings,
             )
         )
-    session.execute(
-        update(Job)
-        .where(Job.id == job.id)
-        .values(
-            state="succeeded",
-            finished_at=at,
-            lease_expires_at=None,
-            peak_rss_bytes=result.peak_rss_bytes,
-            log=_job_log(result, output),
-            **timings,
-        )
-    )
     session.commit()
     return session.get(Job, job.id, populate_existing=True)
 
@@ -298,17 +329,22 @@ def _release(sessions: sessionmaker[Session], job_id: int, worker: str, error: E
     try:
         with sessions() as session:
             job = session.get(Job, job_id)
-            values = {"state": "queued"}
+            values: dict[str, object] = {"state": JobState.QUEUED}
             if job is not None and job.attempts >= job.max_attempts:
                 first_line = (str(error).strip().splitlines() or [""])[0]
                 reason = (
                     f"gave up after {job.attempts} attempts (FARM_MAX_ATTEMPTS); the last "
                     f"ended with an infrastructure error: {type(error).__name__}: {first_line}"
                 )
-                values = {"state": "failed", "finished_at": now(), "error": reason, "log": reason}
+                values = {
+                    "state": JobState.FAILED,
+                    "finished_at": now(),
+                    "error": reason,
+                    "log": reason,
+                }
             session.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.state == "running", Job.worker == worker)
+                .where(Job.id == job_id, Job.state == JobState.RUNNING, Job.worker == worker)
                 .values(lease_expires_at=None, **values)
             )
             session.commit()
@@ -373,7 +409,9 @@ class _Lease:
         with self.sessions() as session:
             row = session.execute(
                 update(Job)
-                .where(Job.id == self.job_id, Job.state == "running", Job.worker == self.worker)
+                .where(
+                    Job.id == self.job_id, Job.state == JobState.RUNNING, Job.worker == self.worker
+                )
                 .values(lease_expires_at=now() + timedelta(seconds=self.lease_seconds))
                 .returning(Job.cancel_requested)
             ).first()

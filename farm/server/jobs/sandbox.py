@@ -164,7 +164,9 @@ def memory_limit_message(memory_bytes: int) -> str:
     )
 
 
-def _with_output(error: Exception, output: str) -> Exception:
+def _with_output(
+    error: errors.CompileError | errors.CompilerUnavailable | CompileTimeout, output: str
+) -> Exception:
     error.output = output
     return error
 

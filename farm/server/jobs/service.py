@@ -29,6 +29,7 @@ from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
 from farm.server import routing
 from farm.server.db.models import Blob, Job, Model
+from farm.server.db.session import rows_changed
 from farm.server.jobs.dispatch import Dispatcher, dispatch
 from farm.server.storage import BlobStore, model_storage_key
 
@@ -159,16 +160,17 @@ def submit_matrix(
     embedded API records such a job, which then fails with the same reason.
     """
     submission_id = uuid.uuid4().hex
+    known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
+    if refuse_uncompilable:
+        for spec, outcome in zip(specs, known, strict=True):
+            reason = host.unavailable_reason(spec.target) if outcome is None else None
+            if reason:
+                raise CompilerUnavailable(reason)
     results: list[tuple[CompileSpec, Submission]] = []
     to_send: list[tuple[int, str]] = []
     model: ModelInfo | None = None
-    for spec in specs:
-        outcome = known_outcome(session, identity, spec, toolchain)
+    for spec, outcome in zip(specs, known, strict=True):
         if outcome is None:
-            if refuse_uncompilable:
-                reason = host.unavailable_reason(spec.target)
-                if reason:
-                    raise CompilerUnavailable(reason)
             model = model or describe_model()
             queue = route(settings, spec.target, model.size_bytes)
             new = functools.partial(
@@ -232,7 +234,8 @@ def register_model(session: Session, model: ModelInfo) -> Model:
 def cancel(session: Session, job_id: int) -> Job:
     """Cancel a job: a queued one never starts; a running one is stopped by its worker."""
     job = get_job(session, job_id)
-    dropped = session.execute(
+    dropped = rows_changed(
+        session,
         update(Job)
         .where(Job.id == job_id, Job.state == JobState.QUEUED)
         .values(
@@ -240,9 +243,9 @@ def cancel(session: Session, job_id: int) -> Job:
             cancel_requested=True,
             finished_at=now(),
             error="cancelled before it started",
-        )
+        ),
     )
-    if dropped.rowcount == 0:  # running (perhaps claimed a moment ago) or already finished
+    if dropped == 0:  # running (perhaps claimed a moment ago) or already finished
         session.execute(
             update(Job)
             .where(Job.id == job_id, Job.state == JobState.RUNNING)

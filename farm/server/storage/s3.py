@@ -280,6 +280,7 @@ class _S3Writer(ObjectWriter):
         if len(self._in_flight) >= PARALLEL_PARTS:
             self._collect_oldest()
         number = len(self._parts) + len(self._in_flight) + 1
+        assert self._pool is not None  # made with the upload, above
         future = self._pool.submit(
             self.client.upload_part,
             Bucket=self.bucket,
@@ -330,7 +331,8 @@ class _S3Writer(ObjectWriter):
             IfNoneMatch="*",
         )
         self._upload_id = None  # complete: nothing left to abort
-        self._pool.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
         if self.expected_sha256 is None:
             self._tag(sha256)
 

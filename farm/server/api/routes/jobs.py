@@ -40,7 +40,7 @@ def submit(
             "matrix_too_large",
             f"{len(body.specs)} specs is over the limit of {farm.settings.max_matrix}",
         )
-    identity: dict[str, str] = dict(body.model)
+    identity: dict[str, str] = {role: sha for role, sha in body.model.items()}
     if set(identity) not in ({"xml", "bin"}, {"onnx"}):
         raise ApiError(422, "invalid_model", "model must be {xml, bin} or {onnx} digests")
     specs = [

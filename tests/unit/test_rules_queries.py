@@ -1,0 +1,82 @@
+"""Finding jobs: by id, the latest for a cache key, and the filtered list (newest first)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from farm.core.clock import now
+from farm.core.errors import NotFound
+from farm.server.db.models import Model
+from farm.server.jobs import service
+from farm.server.jobs.service import latest_job_for_key, list_jobs
+from tests.unit.conftest import add_job, add_model, key
+
+
+@pytest.fixture
+def jobs(embedded_farm) -> dict[str, int]:
+    """Two models; jobs of several states, targets, submitters and ages; two for key 1."""
+    first, second = add_model(embedded_farm, "a.xml"), add_model(embedded_farm, "b.xml")
+    old = now() - timedelta(days=3)
+    return {
+        "failed": add_job(embedded_farm, first, 1, state="failed", submitter="ci", created_at=old),
+        "retry": add_job(embedded_farm, first, 1, submitter="ci"),
+        "npu": add_job(
+            embedded_farm, second, 2, target="NPU.4000", queue="compile.npu.4000", submitter="bob"
+        ),
+        "done": add_job(embedded_farm, second, 3, state="succeeded", created_at=old),
+    }
+
+
+def ids(rows) -> list[int]:
+    return [row.id for row in rows]
+
+
+def test_get_job_finds_a_job_or_raises_not_found(embedded_farm, jobs):
+    with embedded_farm.session() as session:
+        assert service.get_job(session, jobs["npu"]).target == "NPU.4000"
+        with pytest.raises(NotFound, match=r"^no job 999$"):
+            service.get_job(session, 999)
+
+
+def test_the_latest_job_for_a_key_is_the_newest(embedded_farm, jobs):
+    with embedded_farm.session() as session:
+        assert latest_job_for_key(session, key(1)).id == jobs["retry"]
+        assert latest_job_for_key(session, key("none")) is None
+
+
+def test_jobs_are_listed_newest_first_up_to_the_limit(embedded_farm, jobs):
+    with embedded_farm.session() as session:
+        assert ids(list_jobs(session)) == [jobs["done"], jobs["npu"], jobs["retry"], jobs["failed"]]
+        assert ids(list_jobs(session, limit=2)) == [jobs["done"], jobs["npu"]]
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        ({"state": "queued"}, ["npu", "retry"]),
+        ({"target": "4000"}, ["npu"]),  # any spelling of the target
+        ({"target": "cpu"}, ["done", "retry", "failed"]),
+        ({"model": "a.xml"}, ["retry", "failed"]),  # by file name
+        ({"submitter": "ci"}, ["retry", "failed"]),
+        ({"cache_key": key(1)}, ["retry", "failed"]),
+        ({"state": "queued", "submitter": "ci"}, ["retry"]),
+    ],
+)
+def test_jobs_are_filtered(embedded_farm, jobs, filters, expected):
+    with embedded_farm.session() as session:
+        assert ids(list_jobs(session, **filters)) == [jobs[name] for name in expected]
+
+
+def test_jobs_are_filtered_by_model_digest(embedded_farm, jobs):
+    with embedded_farm.session() as session:
+        model_id = service.get_job(session, jobs["npu"]).model_id
+        model_digest = session.get_one(Model, model_id).digest
+        assert ids(list_jobs(session, model=model_digest)) == [jobs["done"], jobs["npu"]]
+
+
+def test_a_since_without_time_zone_is_utc(embedded_farm, jobs):
+    since = (now() - timedelta(days=1)).replace(tzinfo=None)
+    with embedded_farm.session() as session:
+        assert ids(list_jobs(session, since=since)) == [jobs["npu"], jobs["retry"]]
