@@ -21,6 +21,8 @@ from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
+PAGE = 1000
+"""Rows asked for per request when listing (the API's largest page)."""
 DOWNLOAD_CHUNK = 1 << 20
 """Bytes read from the socket, written and hashed per step of a download (one reused buffer)."""
 DOWNLOAD_TIMEOUT_SECONDS = 60.0
@@ -47,6 +49,10 @@ class FarmClient:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The API's answer; ApiError when it refused, or could not be reached."""
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
@@ -56,7 +62,7 @@ class FarmClient:
                 f"cannot reach the farm API at {self.http.base_url} (FARM_API_URL): {error}",
             ) from error
         _raise_for_error(response)
-        return response.json()
+        return response
 
     # --- models and submissions ---------------------------------------------------------------
 
@@ -124,9 +130,10 @@ class FarmClient:
     def job(self, job_id: int) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def jobs(self, **filters: Any) -> list[dict]:
+    def jobs(self, limit: int = 50, **filters: Any) -> list[dict]:
+        """Newest first, up to `limit`, a page (of at most `PAGE`) at a time."""
         params = {k: v for k, v in filters.items() if v is not None}
-        return self._call("GET", "/v1/jobs", params=params)
+        return self._pages("/v1/jobs", params, limit)
 
     def log(self, job_id: int) -> str:
         return self.job_log(job_id)["log"]
@@ -151,8 +158,23 @@ class FarmClient:
                 return None
             raise
 
-    def blobs(self, target: str | None = None) -> list[dict]:
-        return self._call("GET", "/v1/blobs", params={"target": target} if target else None)
+    def blobs(self, target: str | None = None, limit: int | None = None) -> list[dict]:
+        """Newest first, up to `limit` (None: all), a page (of at most `PAGE`) at a time."""
+        return self._pages("/v1/blobs", {"target": target} if target else {}, limit)
+
+    def _pages(self, path: str, params: dict[str, Any], limit: int | None) -> list[dict]:
+        """Follow `X-Next-Cursor` until `limit` rows or the last page."""
+        rows: list[dict] = []
+        cursor = None
+        while limit is None or len(rows) < limit:
+            size = PAGE if limit is None else min(PAGE, limit - len(rows))
+            query = {**params, "limit": size, **({"cursor": cursor} if cursor else {})}
+            response = self._request("GET", path, params=query)
+            rows += response.json()
+            cursor = response.headers.get("X-Next-Cursor")
+            if not cursor:
+                break
+        return rows
 
     def download(self, cache_key: str, dest: Path, progress: Progress | None = None) -> str:
         """Stream the blob to `dest`, appending from its current size (a resumed download);

@@ -202,7 +202,7 @@ def status(job_or_key: str, as_json: bool) -> None:
 @click.option("--model", help="Only jobs of this model (digest or file name).")
 @click.option("--submitter", help="Only jobs of this submitter (token name).")
 @click.option("--since", type=click.DateTime(), help="Only jobs created since (UTC).")
-@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 @json_option
 @handle_errors
 def jobs(
@@ -259,11 +259,13 @@ def cancel(job_id: int, as_json: bool) -> None:
 
 @main.command()
 @click.option("--target", help="Only blobs for this target.")
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--all", "show_all", is_flag=True, help="Every blob (read a page at a time).")
 @json_option
 @handle_errors
-def blobs(target: str | None, as_json: bool) -> None:
+def blobs(target: str | None, limit: int, show_all: bool, as_json: bool) -> None:
     """List the stored blobs, newest first."""
-    rows = backend().blobs(target)
+    rows = backend().blobs(target, None if show_all else limit)
 
     def human() -> None:
         table = Table("cache key", "target", "OpenVINO", "size", "compile s", "created")

@@ -225,6 +225,12 @@ class DiskFull(FarmError, OSError):
 # --- authorization -------------------------------------------------------------------------
 
 
+class Forbidden(FarmError):
+    """A valid caller that may not do this (another submitter's job)."""
+
+    kind, code = Kind.FORBIDDEN, "forbidden"
+
+
 class TokenExpired(FarmError):
     """A token past its expiry: 401 `token_expired`."""
 

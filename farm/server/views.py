@@ -22,6 +22,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "worker": job.worker,
         "submitter": job.submitter,
         "submission_id": job.submission_id,
+        "cancelled_by": job.cancelled_by,
         "spec": job.spec,
         "error": job.error,
         "attempts": job.attempts,

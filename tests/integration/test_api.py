@@ -130,7 +130,7 @@ def test_job_list_filters_over_http_and_status_by_cache_key(served, api, tmp_pat
         assert response.status_code == 200, response.text
         return [job["id"] for job in response.json()]
 
-    with http(api, "submit") as client:
+    with http(api, "admin") as client:  # not bob's token: an admin may cancel any job
         client.post(f"/v1/jobs/{b.job_id}/cancel").raise_for_status()
     assert listed() == [c.job_id, b.job_id, a.job_id]
     assert listed(state="cancelled") == [b.job_id]
@@ -461,3 +461,32 @@ def test_openapi_and_health(api):
     assert "/v1/submissions" in spec["paths"] and "/v1/blobs/{cache_key}/download" in spec["paths"]
     ready = httpx.get(f"{api.url}/readyz").json()
     assert ready["ready"] is True and set(ready["checks"]) == {"database", "broker", "storage"}
+
+
+def test_only_the_submitter_or_an_admin_cancels_a_job_and_the_row_says_who(served, api, tmp_path):
+    from farm.server.tokens import create_token
+
+    with served.sessions() as session:
+        tokens = {name: create_token(session, name, "submit") for name in ("alice", "bob")}
+    xml = models.save_ir(models.conv_net(seed=5), tmp_path / "m" / "m.xml")
+    job = _queue_job(served, xml, "CPU", "alice")
+    other = _queue_job(served, xml, "CPU", "alice", performance_hint="LATENCY")
+
+    def cancel(job_id: int, token: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.post(f"{api.url}/v1/jobs/{job_id}/cancel", headers=headers, timeout=30)
+
+    refused = cancel(job.job_id, tokens["bob"])
+    assert (refused.status_code, refused.json()["code"]) == (403, "forbidden")
+    assert "submitted by token 'alice'" in refused.json()["message"]
+    assert served.job(job.job_id).state == "queued"
+    # The CLI says so with the documented exit code (6: a token without the right).
+    env = {**cli_env(api), "FARM_TOKEN": tokens["bob"]}
+    assert served.farm("cancel", str(job.job_id), env=env, check=False).returncode == 6
+
+    assert cancel(job.job_id, tokens["alice"]).json()["cancelled_by"] == "alice"
+    assert cancel(other.job_id, api.tokens["admin"]).json()["cancelled_by"] == "test-admin"
+    assert (served.job(job.job_id).state, served.job(job.job_id).cancelled_by) == (
+        "cancelled",
+        "alice",
+    )

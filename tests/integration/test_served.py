@@ -137,7 +137,7 @@ def test_a_running_compile_is_cancelled_by_its_worker(served, big_xml):
     submission = submit_direct(served, big_xml)
     wait_until(lambda: served.job(submission.job_id).state == "running", 60, "the compile")
     with served.sessions() as session:  # at once: a `farm cancel` process takes a second to start
-        service.cancel(session, submission.job_id)
+        service.cancel(session, submission.job_id, by="operator", as_admin=True)
     job = served.wait_job(submission.job_id, timeout=30)
     assert job.state == "cancelled" and served.count(Blob) == 0
 

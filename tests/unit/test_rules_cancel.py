@@ -3,6 +3,7 @@ to stop, a finished one is left as it is, and only the named job is touched."""
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
 
@@ -10,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from farm.core.clock import now
-from farm.core.errors import NotFound
+from farm.core.errors import Forbidden, NotFound
 from farm.server.db.models import Blob
 from farm.server.jobs import runner, sandbox, service
 from farm.server.jobs.compiler import CompileResult
@@ -40,12 +41,12 @@ def test_a_queued_job_is_cancelled_at_once(embedded_farm, model_id):
     job_id = add_job(embedded_farm, model_id, 1)
     before = now()
     with embedded_farm.session() as session:
-        returned = service.cancel(session, job_id)
+        returned = service.cancel(session, job_id, by="operator", as_admin=True)
     assert (returned.id, returned.state) == (job_id, "cancelled")
     row = get_job(embedded_farm, job_id)
     assert row.state == "cancelled"
     assert row.cancel_requested is True
-    assert row.error == "cancelled before it started"
+    assert row.error == "cancelled before it started" and row.cancelled_by == "operator"
     assert row.finished_at is not None and before <= row.finished_at <= now()
     assert row.attempts == 0 and row.worker is None
 
@@ -53,7 +54,7 @@ def test_a_queued_job_is_cancelled_at_once(embedded_farm, model_id):
 def test_a_cancelled_queued_job_cannot_be_claimed(embedded_farm, model_id):
     job_id = add_job(embedded_farm, model_id, 1)
     with embedded_farm.session() as session:
-        service.cancel(session, job_id)
+        service.cancel(session, job_id, by="operator", as_admin=True)
         assert claim(session, job_id, "w1", 120) is False
     assert (get_job(embedded_farm, job_id).state, get_job(embedded_farm, job_id).attempts) == (
         "cancelled",
@@ -65,9 +66,13 @@ def test_a_running_job_is_asked_to_stop_and_keeps_running(embedded_farm, model_i
     job_id = add_job(embedded_farm, model_id, 1, **running())
     before = columns(embedded_farm, job_id)
     with embedded_farm.session() as session:
-        returned = service.cancel(session, job_id)
+        returned = service.cancel(session, job_id, by="operator", as_admin=True)
     assert (returned.state, returned.cancel_requested) == ("running", True)
-    assert columns(embedded_farm, job_id) == {**before, "cancel_requested": True}
+    assert columns(embedded_farm, job_id) == {
+        **before,
+        "cancel_requested": True,
+        "cancelled_by": "operator",
+    }
 
 
 def test_cancel_touches_only_the_named_job(embedded_farm, model_id):
@@ -76,7 +81,7 @@ def test_cancel_touches_only_the_named_job(embedded_farm, model_id):
     queued = add_job(embedded_farm, model_id, 3)
     untouched = {job_id: columns(embedded_farm, job_id) for job_id in (second, queued)}
     with embedded_farm.session() as session:
-        service.cancel(session, first)
+        service.cancel(session, first, by="operator", as_admin=True)
     assert get_job(embedded_farm, first).cancel_requested is True
     assert {job_id: columns(embedded_farm, job_id) for job_id in (second, queued)} == untouched
 
@@ -91,7 +96,7 @@ def test_cancelling_a_finished_job_changes_nothing(embedded_farm, model_id, stat
     )
     before = columns(embedded_farm, job_id)
     with embedded_farm.session() as session:
-        returned = service.cancel(session, job_id)
+        returned = service.cancel(session, job_id, by="operator", as_admin=True)
     assert (returned.state, returned.cancel_requested) == (state, False)
     assert columns(embedded_farm, job_id) == before
 
@@ -99,7 +104,7 @@ def test_cancelling_a_finished_job_changes_nothing(embedded_farm, model_id, stat
 def test_cancelling_an_unknown_job_is_not_found(embedded_farm, model_id):
     add_job(embedded_farm, model_id, 1)
     with embedded_farm.session() as session, pytest.raises(NotFound, match=r"^no job 999$"):
-        service.cancel(session, 999)
+        service.cancel(session, 999, by="operator", as_admin=True)
 
 
 def test_a_cancelled_key_can_be_submitted_again_as_a_new_job(embedded_farm, tmp_path, stub):
@@ -121,7 +126,7 @@ def test_a_cancelled_key_can_be_submitted_again_as_a_new_job(embedded_farm, tmp_
 
     first = submit()
     with embedded_farm.session() as session:
-        service.cancel(session, first.job_id)
+        service.cancel(session, first.job_id, by="operator", as_admin=True)
     second = submit()
     assert (second.outcome, second.cache_key) == ("queued", first.cache_key)
     assert second.job_id != first.job_id
@@ -162,7 +167,7 @@ class CancellingStore(LocalStore):
     def put_file(self, key, path, expected_sha256=None):
         if key.startswith("blobs/"):
             with self.farm.session() as session:
-                service.cancel(session, self.job_id)
+                service.cancel(session, self.job_id, by="operator", as_admin=True)
         return super().put_file(key, path, expected_sha256)
 
 
@@ -202,7 +207,7 @@ def test_a_cancel_seen_when_the_compile_returns_stores_nothing(
 ):
     def cancel_then_wait_for_the_lease(should_stop):
         with embedded_farm.session() as session:
-            service.cancel(session, queued_job)
+            service.cancel(session, queued_job, by="operator", as_admin=True)
         deadline = time.monotonic() + 5
         while not should_stop() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -225,3 +230,40 @@ def test_a_cancel_during_the_blob_upload_still_cancels_the_job(
     job = run(embedded_farm, CancellingStore(embedded_farm, queued_job), queued_job, tmp_path)
     assert get_job(embedded_farm, queued_job).cancel_requested is True
     assert (job.state, blob_rows(embedded_farm)) == ("cancelled", [])
+
+
+def test_only_the_submitter_or_an_admin_may_cancel(served_farm):
+    model_id = add_model(served_farm)
+    alice = add_job(served_farm, model_id, "alice", submitter="alice")
+    operators = add_job(served_farm, model_id, "operator", submitter=None)
+    before = columns(served_farm, alice)
+    with served_farm.session() as session:
+        with pytest.raises(Forbidden, match=r"submitted by token 'alice'.*'bob' may not"):
+            service.cancel(session, alice, by="bob", as_admin=False)
+        with pytest.raises(Forbidden, match="submitted by an operator"):
+            service.cancel(session, operators, by="bob", as_admin=False)
+    assert columns(served_farm, alice) == before  # refused: the row is untouched
+    with served_farm.session() as session:
+        assert service.cancel(session, alice, by="alice", as_admin=False).state == "cancelled"
+        assert service.cancel(session, operators, by="root", as_admin=True).state == "cancelled"
+
+
+def test_joining_a_job_by_single_flight_gives_no_right_to_cancel_it(served_farm, tmp_path, stub):
+    ref = make_ref(tmp_path / "m")
+    submit = functools.partial(
+        service.submit_matrix,
+        settings=served_farm.settings,
+        dispatcher=stub,
+        identity=ref.identity,
+        specs=[CPU],
+        toolchain=TOOLCHAIN,
+        describe_model=lambda: ref.info,
+        upload_from=ref,
+    )
+    with served_farm.session() as session:
+        ((_, first),) = submit(session, served_farm.store, submitter="alice").results
+        ((_, joined),) = submit(session, served_farm.store, submitter="bob").results
+        assert (joined.outcome, joined.job_id) == ("existing", first.job_id)
+        with pytest.raises(Forbidden):
+            service.cancel(session, joined.job_id, by="bob", as_admin=False)
+    assert get_job(served_farm, first.job_id).state == "queued"

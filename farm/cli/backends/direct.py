@@ -8,7 +8,9 @@ the server side goes through `Direct` or the functions at the end of this module
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import getpass
+import socket
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +32,7 @@ from farm.server.db.session import upgrade_database
 from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
+from farm.server.pagination import MAX_PAGE, job_cursor
 from farm.server.views import blob_dict, job_dict, job_view, log_view, workers_view
 
 
@@ -105,17 +108,23 @@ class Direct:
             job = jobs.get_job(session, job_id)
             return job_view(session, job, self.farm.settings.worker_heartbeat_seconds)
 
-    def jobs(self, **filters: Any) -> list[dict[str, Any]]:
-        with self._session() as session:
-            return [job_dict(job) for job in jobs.list_jobs(session, **filters)]
+    def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
+        def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
+            with self._session() as session:
+                rows = jobs.list_jobs(session, limit=size, cursor=cursor, **filters)
+                following = job_cursor(rows[-1].id) if len(rows) == size else None
+                return [job_dict(job) for job in rows], following
+
+        return _pages(page, limit)
 
     def log(self, job_id: int) -> dict[str, Any]:
         with self._session() as session:
             return log_view(jobs.get_job(session, job_id))
 
     def cancel(self, job_id: int) -> dict[str, Any]:
+        """An operator with the database's credentials may cancel any job, as an admin."""
         with self._session() as session:
-            return job_dict(jobs.cancel(session, job_id))
+            return job_dict(jobs.cancel(session, job_id, by=_operator(), as_admin=True))
 
     def latest_job(self, cache_key: str) -> dict[str, Any] | None:
         with self._session() as session:
@@ -133,9 +142,13 @@ class Direct:
             blob = blobs.resolve(session, cache_key)
             return blob_dict(blob) if blob else None
 
-    def blobs(self, target: str | None) -> list[dict[str, Any]]:
-        with self._session() as session:
-            return [blob_dict(blob) for blob in blobs.list_blobs(session, target)]
+    def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:
+        def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
+            with self._session() as session:
+                rows = blobs.list_blobs(session, target, size, cursor)
+                return [blob_dict(blob) for blob in rows], blobs.page_cursor(rows, size)
+
+        return _pages(page, limit)
 
     def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> None:
         """Copy the stored blob to `dest` (the edge agent verifies it)."""
@@ -193,6 +206,28 @@ class Direct:
 
     def close(self) -> None:
         pass
+
+
+def _operator() -> str:
+    """Who cancels through the database directly: the operator's login and host."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _pages(
+    page: Callable[[int, str | None], tuple[list[dict[str, Any]], str | None]],
+    limit: int | None,
+) -> list[dict[str, Any]]:
+    """Rows from `page(size, cursor)` calls, one short transaction each, until `limit` rows
+    (None: all) or the last page: no query reads an unbounded result."""
+    rows: list[dict[str, Any]] = []
+    cursor: str | None = None
+    while limit is None or len(rows) < limit:
+        size = MAX_PAGE if limit is None else min(MAX_PAGE, limit - len(rows))
+        found, cursor = page(size, cursor)
+        rows += found
+        if cursor is None:
+            break
+    return rows
 
 
 def upgrade_schema(settings: Settings) -> str | None:

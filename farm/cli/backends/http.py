@@ -33,11 +33,11 @@ class Http:
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)
 
-    def jobs(self, **filters: Any) -> list[dict[str, Any]]:
+    def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
         since = filters.get("since")
         if since is not None:
             filters["since"] = since.isoformat()
-        return self.client.jobs(**filters)
+        return self.client.jobs(limit, **filters)
 
     def log(self, job_id: int) -> dict[str, Any]:
         return self.client.job_log(job_id)
@@ -52,8 +52,8 @@ class Http:
         jobs = self.client.jobs(cache_key=cache_key, limit=1)
         return jobs[0] if jobs else None
 
-    def blobs(self, target: str | None) -> list[dict[str, Any]]:
-        return self.client.blobs(target)
+    def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:
+        return self.client.blobs(target, limit)
 
     def workers(self) -> list[dict[str, Any]]:
         return self.client.workers()

@@ -117,7 +117,7 @@ def dashboard(
         jobs = service.list_jobs(
             session, state or None, target or None, limit, submitter=submitter or None
         )
-        blobs = blob_service.list_blobs(session, target or None)[:limit]
+        blobs = blob_service.list_blobs(session, target or None, limit)
         pulls = _pull_counts(session, [b.id for b in blobs])
         live = {
             w.name for w in routing.live_workers(session, farm.settings.worker_heartbeat_seconds)

@@ -102,6 +102,7 @@ class JobOut(BaseModel):
     worker: str | None
     submitter: str | None
     submission_id: str | None
+    cancelled_by: str | None = Field(None, description="Who cancelled it (a token's name).")
     spec: dict[str, Any]
     error: str | None
     attempts: int

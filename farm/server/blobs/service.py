@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.errors import IntegrityMismatch, NotFound
 from farm.core.spec import Target
+from farm.server import pagination
 from farm.server.db.models import Blob, Pull
 from farm.server.storage import BlobStore
 
@@ -66,11 +67,33 @@ def record_pull(
     return pull
 
 
-def list_blobs(session: Session, target: str | None = None) -> list[Blob]:
-    query = select(Blob).order_by(Blob.created_at.desc(), Blob.id.desc())
+def list_blobs(
+    session: Session,
+    target: str | None = None,
+    limit: int = pagination.MAX_PAGE,
+    cursor: str | None = None,
+) -> list[Blob]:
+    """Newest first, at most `limit`; `cursor` (`pagination.blob_cursor` of the last blob of
+    the page before) continues after that blob."""
+    query = select(Blob).order_by(Blob.created_at.desc(), Blob.id.desc()).limit(limit)
     if target:
         query = query.where(Blob.target == Target.parse(target).name)
+    if cursor:
+        created_at, blob_id = pagination.after_blob(cursor)
+        query = query.where(
+            or_(
+                Blob.created_at < created_at,
+                and_(Blob.created_at == created_at, Blob.id < blob_id),
+            )
+        )
     return list(session.scalars(query))
+
+
+def page_cursor(blobs: list[Blob], limit: int) -> str | None:
+    """The cursor of the page after `blobs`, a full page of `limit`; None after the last."""
+    if len(blobs) < limit:
+        return None
+    return pagination.blob_cursor(blobs[-1].created_at, blobs[-1].id)
 
 
 def require(session: Session, cache_key: str) -> Blob:

@@ -174,6 +174,11 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(
         Boolean, default=False, server_default=text("false"), comment="Set by `farm cancel`."
     )
+    cancelled_by: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Who cancelled it: a token's name, or user@host of an operator; null: "
+        "not cancelled.",
+    )
     created_at: Mapped[datetime] = mapped_column(comment="Submitted, UTC.")
     sent_at: Mapped[datetime | None] = mapped_column(
         comment="Last time its message was sent to the queue (the reconciler re-sends), UTC."

@@ -23,11 +23,11 @@ from farm import toolchain as host
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import CompilerUnavailable, ModelMissing, NotFound
+from farm.core.errors import CompilerUnavailable, Forbidden, ModelMissing, NotFound
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
-from farm.server import routing
+from farm.server import pagination, routing
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.dispatch import Dispatcher, dispatch
@@ -231,9 +231,20 @@ def register_model(session: Session, model: ModelInfo) -> Model:
     return row
 
 
-def cancel(session: Session, job_id: int) -> Job:
-    """Cancel a job: a queued one never starts; a running one is stopped by its worker."""
+def cancel(session: Session, job_id: int, *, by: str, as_admin: bool) -> Job:
+    """Cancel a job: a queued one never starts; a running one is stopped by its worker.
+
+    Only the job's submitter (`by`, a token's name) or an admin may: a submitter who joined
+    the job by single flight (submitted the same key while it was active) did not start it,
+    and cannot stop it for the one who did. `by` is recorded in `jobs.cancelled_by`.
+    """
     job = get_job(session, job_id)
+    if not as_admin and (job.submitter is None or job.submitter != by):
+        owner = f"token {job.submitter!r}" if job.submitter else "an operator"
+        raise Forbidden(
+            f"job {job_id} was submitted by {owner}; only its submitter or an admin token "
+            f"may cancel it ({by!r} may not)"
+        )
     dropped = rows_changed(
         session,
         update(Job)
@@ -241,6 +252,7 @@ def cancel(session: Session, job_id: int) -> Job:
         .values(
             state=JobState.CANCELLED,
             cancel_requested=True,
+            cancelled_by=by,
             finished_at=now(),
             error="cancelled before it started",
         ),
@@ -249,7 +261,7 @@ def cancel(session: Session, job_id: int) -> Job:
         session.execute(
             update(Job)
             .where(Job.id == job_id, Job.state == JobState.RUNNING)
-            .values(cancel_requested=True)
+            .values(cancel_requested=True, cancelled_by=by)
         )
     session.commit()
     session.refresh(job)
@@ -279,10 +291,14 @@ def list_jobs(
     submitter: str | None = None,
     since: datetime | None = None,
     cache_key: str | None = None,
+    cursor: str | None = None,
 ) -> list[Job]:
-    """Newest first. `model` is a model digest or a model's file name; a `since` without a
-    time zone is UTC."""
+    """Newest first, at most `limit`. `model` is a model digest or a model's file name; a
+    `since` without a time zone is UTC; `cursor` (`pagination.job_cursor` of the last job of
+    the page before) continues after that job."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if cursor:
+        query = query.where(Job.id < pagination.after_job(cursor))
     if state:
         query = query.where(Job.state == state)
     if target:

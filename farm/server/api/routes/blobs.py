@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
 from farm.server.api.deps import Farm, PullCaller, SubmitCaller, known_query_only
 from farm.server.api.schemas import BlobOut, PullIn, Sha256, Text
 from farm.server.blobs import service
+from farm.server.pagination import MAX_PAGE, link_next
 from farm.server.storage import LocalPaths, Presigning
 from farm.server.views import blob_dict
 
@@ -18,12 +19,21 @@ router = APIRouter(tags=["blobs"], dependencies=[Depends(known_query_only)])
 
 @router.get("/v1/blobs")
 def list_blobs(
-    farm: Farm, _: SubmitCaller, target: Text | None = Query(None, max_length=32)
+    request: Request,
+    response: Response,
+    farm: Farm,
+    _: SubmitCaller,
+    target: Text | None = Query(None, max_length=32),
+    limit: int = Query(100, ge=1, le=MAX_PAGE),
+    cursor: str | None = Query(None, max_length=512, description="From X-Next-Cursor."),
 ) -> list[BlobOut]:
-    """Every stored blob, newest first. An edge's pull token cannot list: it resolves the keys
+    """Stored blobs, newest first, a page at a time: the next page's cursor is in the
+    `X-Next-Cursor` and `Link` headers. An edge's pull token cannot list: it resolves the keys
     it computes itself."""
     with farm.session() as session:
-        return [BlobOut(**blob_dict(b)) for b in service.list_blobs(session, target)]
+        blobs = service.list_blobs(session, target, limit, cursor)
+        link_next(request, response, service.page_cursor(blobs, limit))
+        return [BlobOut(**blob_dict(b)) for b in blobs]
 
 
 @router.get("/v1/blobs/{cache_key}", responses={404: {}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from farm.core.errors import ApiError, NotFound
@@ -22,6 +22,7 @@ from farm.server.api.schemas import (
 from farm.server.context import FarmContext
 from farm.server.db.models import Job
 from farm.server.jobs import service
+from farm.server.pagination import MAX_PAGE, job_cursor, link_next
 from farm.server.storage import BlobStore, model_storage_key
 from farm.server.views import job_view, log_view
 
@@ -89,6 +90,8 @@ def _stored_size(store: BlobStore, model: dict[str, str]) -> int:
 
 @router.get("/v1/jobs")
 def list_jobs(
+    request: Request,
+    response: Response,
     farm: Farm,
     _: SubmitCaller,
     state: str | None = Query(None, pattern="^(queued|running|succeeded|failed|cancelled)$"),
@@ -97,9 +100,11 @@ def list_jobs(
     submitter: Text | None = Query(None, max_length=128),
     since: datetime | None = Query(None, description="Created at or after; UTC if no zone."),
     cache_key: str | None = Query(None, pattern="^[0-9a-f]{64}$"),
-    limit: int = Query(50, ge=1, le=1000),
+    limit: int = Query(50, ge=1, le=MAX_PAGE),
+    cursor: str | None = Query(None, max_length=512, description="From X-Next-Cursor."),
 ) -> list[JobOut]:
-    """Jobs, newest first, filtered by any of the parameters."""
+    """Jobs, newest first, filtered by any of the parameters, a page at a time: the next
+    page's cursor is in the `X-Next-Cursor` and `Link` headers."""
     with farm.session() as session:
         jobs = service.list_jobs(
             session,
@@ -110,7 +115,10 @@ def list_jobs(
             submitter=submitter,
             since=since,
             cache_key=cache_key,
+            cursor=cursor,
         )
+        following = job_cursor(jobs[-1].id) if len(jobs) == limit else None
+        link_next(request, response, following)
         return [_job_out(farm, session, job) for job in jobs]
 
 
@@ -127,10 +135,14 @@ def job_log(job_id: int, farm: Farm, _: SubmitCaller) -> dict[str, Any]:
         return log_view(service.get_job(session, _job_id(job_id)))
 
 
-@router.post("/v1/jobs/{job_id}/cancel", responses={404: {}})
-def cancel_job(job_id: int, farm: Farm, _: SubmitCaller) -> JobOut:
+@router.post("/v1/jobs/{job_id}/cancel", responses={403: {}, 404: {}})
+def cancel_job(job_id: int, farm: Farm, caller: SubmitCaller) -> JobOut:
+    """Only the job's submitter, or an admin token, may cancel it (403 `forbidden`)."""
     with farm.session() as session:
-        return _job_out(farm, session, service.cancel(session, _job_id(job_id)))
+        cancelled = service.cancel(
+            session, _job_id(job_id), by=caller.name, as_admin=caller.may("admin")
+        )
+        return _job_out(farm, session, cancelled)
 
 
 def _job_id(job_id: int) -> int:

@@ -1,0 +1,79 @@
+"""Keyset pagination: a list endpoint answers one page and a cursor to the next, so no request
+builds an unbounded answer, and a page costs the same however deep it is (no OFFSET scan).
+
+A cursor is opaque to clients: URL-safe base64 of the sort key of a page's last row. Jobs are
+ordered by id; blobs by (created_at, id), newest first.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from farm.core.errors import SpecError
+
+MAX_PAGE = 1000
+"""The largest page any list endpoint answers."""
+
+
+class InvalidCursor(SpecError):
+    """A cursor this server did not hand out (or from another list)."""
+
+    code = "invalid_cursor"
+
+
+def encode(*parts: str) -> str:
+    return base64.urlsafe_b64encode("|".join(parts).encode()).decode().rstrip("=")
+
+
+def decode(cursor: str, count: int) -> list[str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        parts = base64.urlsafe_b64decode(padded.encode("ascii")).decode().split("|")
+    except (ValueError, UnicodeError, binascii.Error):
+        raise InvalidCursor(f"cursor {cursor[:80]!r} is not one this server handed out") from None
+    if len(parts) != count:
+        raise InvalidCursor(f"cursor {cursor[:80]!r} is not one this server handed out")
+    return parts
+
+
+def job_cursor(job_id: int) -> str:
+    return encode("job", str(job_id))
+
+
+def after_job(cursor: str) -> int:
+    kind, job_id = decode(cursor, 2)
+    if kind != "job" or not job_id.isdigit():
+        raise InvalidCursor(f"cursor {cursor[:80]!r} is not a cursor of the job list")
+    return int(job_id)
+
+
+def blob_cursor(created_at: datetime, blob_id: int) -> str:
+    return encode("blob", created_at.isoformat(), str(blob_id))
+
+
+def after_blob(cursor: str) -> tuple[datetime, int]:
+    kind, created_at, blob_id = decode(cursor, 3)
+    try:
+        if kind != "blob" or not blob_id.isdigit():
+            raise ValueError
+        return datetime.fromisoformat(created_at), int(blob_id)
+    except ValueError:
+        raise InvalidCursor(f"cursor {cursor[:80]!r} is not a cursor of the blob list") from None
+
+
+NEXT_CURSOR_HEADER = "X-Next-Cursor"
+
+
+def link_next(request: Request, response: Response, cursor: str | None) -> None:
+    """Point an answer at its next page: `X-Next-Cursor` for scripts, and `Link: <...>;
+    rel="next"` (RFC 8288) with the same query and the cursor; nothing after the last page."""
+    if cursor is None:
+        return
+    response.headers[NEXT_CURSOR_HEADER] = cursor
+    url = request.url.include_query_params(cursor=cursor)
+    response.headers["Link"] = f'<{url}>; rel="next"'

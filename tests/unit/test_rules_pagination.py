@@ -1,0 +1,85 @@
+"""Keyset pagination of the job and blob lists: every row once, in order, however the pages
+fall, including rows that share a timestamp; a cursor this server did not hand out is bad input."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from farm.server.blobs.service import list_blobs, page_cursor
+from farm.server.jobs.service import list_jobs
+from farm.server.pagination import InvalidCursor, blob_cursor, encode, job_cursor
+from tests.unit.conftest import add_blob, add_job, add_model, key
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def _blob_pages(farm, size: int, target: str | None = None) -> list[list[str]]:
+    pages, cursor = [], None
+    while True:
+        with farm.session() as session:
+            rows = list_blobs(session, target, size, cursor)
+            pages.append([blob.cache_key for blob in rows])
+            cursor = page_cursor(rows, size)
+        if cursor is None:
+            return pages
+
+
+def test_blob_pages_hold_every_blob_once_newest_first_across_equal_timestamps(embedded_farm):
+    model = add_model(embedded_farm)
+    # Five blobs, three sharing one created_at: the cursor must break ties by id.
+    times = [T0, T0 + timedelta(seconds=1), T0 + timedelta(seconds=1), T0 + timedelta(seconds=1)]
+    times.append(T0 + timedelta(seconds=2))
+    made = [add_blob(embedded_farm, model, key(n), created_at=at) for n, at in enumerate(times)]
+    newest_first = [b.cache_key for b in sorted(made, key=lambda b: (b.created_at, b.id))][::-1]
+
+    assert _blob_pages(embedded_farm, 2) == [newest_first[0:2], newest_first[2:4], newest_first[4:]]
+    assert _blob_pages(embedded_farm, 5) == [newest_first, []]  # a full last page: one empty
+    assert _blob_pages(embedded_farm, 10) == [newest_first]
+
+
+def test_a_page_asks_for_no_more_rows_than_its_limit(embedded_farm):
+    model = add_model(embedded_farm)
+    for n in range(7):
+        add_blob(embedded_farm, model, key(n), created_at=T0 + timedelta(minutes=n))
+    with embedded_farm.session() as session:
+        first = list_blobs(session, None, 3)
+        assert len(first) == 3
+        assert page_cursor(first, 3) == blob_cursor(first[-1].created_at, first[-1].id)
+        assert page_cursor(first, 4) is None  # a short page is the last
+
+
+def test_job_pages_continue_after_the_cursor_job(served_farm):
+    model = add_model(served_farm)
+    ids = [add_job(served_farm, model, n, state="succeeded") for n in range(5)]
+    with served_farm.session() as session:
+        first = list_jobs(session, limit=2)
+        after = list_jobs(session, limit=2, cursor=job_cursor(first[-1].id))
+        last = list_jobs(session, limit=2, cursor=job_cursor(after[-1].id))
+    assert [job.id for job in first + after + last] == ids[::-1]
+    assert len(last) == 1
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "not base64 at all!",
+        encode("job", "12"),  # a job cursor for the blob list
+        encode("blob", "yesterday", "3"),
+        encode("blob", T0.isoformat()),
+        "",
+    ],
+)
+def test_a_blob_cursor_the_server_did_not_hand_out_is_bad_input(embedded_farm, cursor):
+    with embedded_farm.session() as session:
+        if cursor == "":
+            assert list_blobs(session, None, 5, cursor) == []  # empty: the first page
+            return
+        with pytest.raises(InvalidCursor, match="is not"):
+            list_blobs(session, None, 5, cursor)
+
+
+def test_a_job_cursor_for_another_list_is_bad_input(served_farm):
+    with served_farm.session() as session, pytest.raises(InvalidCursor, match="is not"):
+        list_jobs(session, cursor=blob_cursor(T0, 3))
