@@ -21,6 +21,20 @@ from farm.core.errors import CompileError, CompilerUnavailable
 from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target, Toolchain, compile_properties
 
 NPU_COMPILER_LIBRARY = "libopenvino_intel_npu_compiler_loader.so"
+"""What the NPU plugin loads from its own folder; it loads the compiler beside it."""
+COMPILER_SOURCES = (
+    "the NPU compiler (libopenvino_intel_npu_compiler_loader.so and "
+    "libopenvino_intel_npu_compiler.so) is not in the Linux openvino wheel: take both from the "
+    "OpenVINO Linux archive (runtime/lib/intel64/) or from Intel's intel-driver-compiler-npu "
+    "package (/usr/lib/x86_64-linux-gnu/), then `farm toolchain install-npu-compiler PATH` "
+    "puts them where this OpenVINO loads them ({libs})"
+)
+"""Where an NPU compiler comes from, for every message that says one is missing."""
+
+
+def openvino_libs() -> Path:
+    """The folder this OpenVINO loads its plugins (and the NPU compiler loader) from."""
+    return Path(ov.__file__).parent / "libs"
 
 
 def openvino_release() -> str:
@@ -82,13 +96,21 @@ def classify_failure(target: Target, error: Exception) -> CompileError | Compile
     """Classify an OpenVINO compile exception: the host's fault or the model's."""
     text = str(error)
     if target.is_npu:
+        if "compiler loading failed" in text.lower() and "Cannot load library" not in text:
+            # The library is there, but it is not a compiler this plugin can drive (missing
+            # VCL entry points, another API version): say what it said.
+            return CompilerUnavailable(
+                f"cannot compile for {target}: the NPU compiler in {openvino_libs()} does not "
+                f"work with this OpenVINO ({ov.get_version()}): {last_line(error)}"
+            )
         if NPU_COMPILER_LIBRARY in text or "compiler loading failed" in text.lower():
             library = re.search(r'Cannot load library "([^"]+)"', text)
             where = os.path.normpath(library.group(1)) if library else NPU_COMPILER_LIBRARY
             return CompilerUnavailable(
                 f"cannot compile for {target}: the NPU compiler library {NPU_COMPILER_LIBRARY} "
-                f"is missing (looked for {where}). Install the NPU compiler next to OpenVINO, "
-                f"or run this job on a host that has it."
+                f"is missing (looked for {where}); "
+                + COMPILER_SOURCES.format(libs=openvino_libs())
+                + ", or run this job on a host that has it"
             )
         if "Could not find an NPU device" in text:
             return CompilerUnavailable(
@@ -125,14 +147,35 @@ def last_line(error: Exception) -> str:
 
 def openvino_checks() -> list[Check]:
     """`farm doctor`'s view of this host: OpenVINO, devices, NPU libraries, compilable targets."""
-    libs = Path(ov.__file__).parent / "libs"
+    libs = openvino_libs()
     checks = [
         Check("openvino", True, ov.get_version()),
         Check("devices", True, ", ".join(ov.Core().available_devices) or "none"),
     ]
     for library in ("libopenvino_intel_npu_plugin.so", NPU_COMPILER_LIBRARY):
         found = (libs / library).exists()
-        checks.append(Check(library, found, str(libs / library) if found else "missing"))
+        missing = "missing"
+        if library == NPU_COMPILER_LIBRARY:
+            missing = f"missing: {COMPILER_SOURCES.format(libs=libs)}"
+        checks.append(Check(library, found, str(libs / library) if found else missing))
     for target, reason in probe_targets().items():
         checks.append(Check(f"compile {target}", reason is None, reason or "compiles here"))
     return checks
+
+
+def npu_compiler_versions() -> dict[str, str]:
+    """For each NPU platform: "ok <NPU_COMPILER_VERSION>" when a one-op model compiles with
+    `NPU_PLATFORM` set (no device needed), else the reason it does not."""
+    results = {}
+    for name in KNOWN_TARGETS:
+        target = Target.parse(name)
+        if not target.is_npu:
+            continue
+        props = compile_properties(CompileSpec.create(target))
+        try:
+            compiled = ov.Core().compile_model(tiny_model(), device_name(target), props)
+        except Exception as error:
+            results[name] = str(classify_failure(target, error))
+            continue
+        results[name] = f"ok {_property_or_none(compiled, 'NPU_COMPILER_VERSION')}"
+    return results
