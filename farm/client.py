@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import http.client
 import os
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -16,11 +17,15 @@ from typing import Any
 
 import httpx
 
-from farm.core.errors import ApiError
+from farm.core.errors import ApiError, IntegrityMismatch
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
+UPLOAD_ATTEMPTS = 30
+"""Tries of one upload that the API turns away as busy (503 `too_many_uploads`)."""
+UPLOAD_RETRY_MAX_SECONDS = 60.0
+"""The longest wait between two tries, whatever the API's Retry-After says."""
 PAGE = 1000
 """Rows asked for per request when listing (the API's largest page)."""
 DOWNLOAD_CHUNK = 1 << 20
@@ -70,23 +75,48 @@ class FarmClient:
         return self._call("POST", "/v1/models/missing", json={"sha256": digests})["missing"]
 
     def upload(self, sha256: str, path: Path, progress: Progress | None = None) -> dict:
-        """Stream one file up (never held whole in memory); the server checks its sha256."""
+        """Stream one file up (never held whole in memory); the server checks its sha256.
+
+        An API streaming as many uploads as it may (503 `too_many_uploads`) is tried again
+        after its Retry-After, up to UPLOAD_ATTEMPTS times; the bytes a turned-away try had
+        reported to `progress` are taken back (a negative count)."""
         size = Path(path).stat().st_size
+        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+            sent = 0
 
-        def chunks() -> Iterator[bytes]:
-            with open(path, "rb") as source:
-                while chunk := source.read(UPLOAD_CHUNK):
-                    if progress:
-                        progress(len(chunk))
-                    yield chunk
+            def chunks() -> Iterator[bytes]:
+                nonlocal sent
+                with open(path, "rb") as source:
+                    while chunk := source.read(UPLOAD_CHUNK):
+                        sent += len(chunk)
+                        if progress:
+                            progress(len(chunk))
+                        yield chunk
 
-        return self._call(
-            "PUT",
-            f"/v1/models/{sha256}",
-            content=chunks(),
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
-            timeout=httpx.Timeout(None, connect=10.0),
-        )
+            try:
+                response = self.http.put(
+                    f"/v1/models/{sha256}",
+                    content=chunks(),
+                    headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Length": str(size),
+                    },
+                    timeout=httpx.Timeout(None, connect=10.0),
+                )
+            except httpx.TransportError as error:
+                raise ApiError(
+                    0,
+                    "unreachable",
+                    f"cannot reach the farm API at {self.http.base_url} (FARM_API_URL): {error}",
+                ) from error
+            busy = response.status_code == 503 and _error_code(response) == "too_many_uploads"
+            if not busy or attempt == UPLOAD_ATTEMPTS:
+                _raise_for_error(response)
+                return response.json()
+            if progress and sent:
+                progress(-sent)
+            time.sleep(_retry_after(response))
+        raise AssertionError("unreachable")  # the last attempt returned or raised
 
     def submit(
         self, model: dict[str, str], name: str, specs: list[dict], toolchain: dict[str, Any]
@@ -176,13 +206,21 @@ class FarmClient:
                 break
         return rows
 
-    def download(self, cache_key: str, dest: Path, progress: Progress | None = None) -> str:
+    def download(
+        self,
+        cache_key: str,
+        dest: Path,
+        progress: Progress | None = None,
+        max_bytes: int | None = None,
+    ) -> str:
         """Stream the blob to `dest`, appending from its current size (a resumed download);
         returns the sha256 of all of `dest`, computed while writing (a resumed download first
         hashes the part it already has).
 
         The API answers with a redirect to a presigned URL (S3: fetched without our token) or
-        with the bytes themselves (local store); both honour HTTP Range.
+        with the bytes themselves (local store); both honour HTTP Range. `dest` never grows
+        past `max_bytes` (the blob's signed size): a body announced or found longer is an
+        `IntegrityMismatch`, and `dest` is removed.
         """
         start = dest.stat().st_size if dest.exists() else 0
         ranged = {"Range": f"bytes={start}-"} if start else {}
@@ -190,14 +228,14 @@ class FarmClient:
         try:
             with self.http.stream("GET", path, headers=ranged, follow_redirects=False) as response:
                 if not response.is_redirect:
-                    return _save(response, dest, start, progress)
+                    return _save(response, dest, start, progress, max_bytes)
                 location = response.headers["location"]
             if _proxied(location):
                 with httpx.stream(
                     "GET", location, headers=ranged, timeout=httpx.Timeout(60, connect=10)
                 ) as response:
-                    return _save(response, dest, start, progress)
-            return _fetch(location, dest, start, progress)
+                    return _save(response, dest, start, progress, max_bytes)
+            return _fetch(location, dest, start, progress, max_bytes)
         except httpx.TransportError as error:
             raise ApiError(
                 0, "unreachable", f"download of {cache_key} broke off: {error}"
@@ -223,6 +261,23 @@ def _no_progress(_total: int) -> Iterator[Progress]:
     yield lambda _count: None
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    """The `code` of an error answer of the farm API, if it has one."""
+    try:
+        return response.json().get("code")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """Seconds to wait before trying again: the answer's Retry-After, within bounds."""
+    try:
+        seconds = float(response.headers.get("Retry-After", "1"))
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.0), UPLOAD_RETRY_MAX_SECONDS)
+
+
 def _raise_for_error(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -243,22 +298,68 @@ def _raise_for_error(response: httpx.Response) -> None:
         ) from None
 
 
-def _save(response: httpx.Response, dest: Path, start: int, progress: Progress | None) -> str:
+def _save(
+    response: httpx.Response,
+    dest: Path,
+    start: int,
+    progress: Progress | None,
+    limit: int | None = None,
+) -> str:
     if response.status_code == 416 and start:
         return _digest_of(dest).hexdigest()  # nothing left to fetch
     _raise_for_error(response)
     resumed = start and response.status_code == 206
+    capped = _Capped(dest, start if resumed else 0, limit)
+    announced = response.headers.get("content-length", "")
+    if announced.isdigit() and response.headers.get("content-encoding", "identity") == "identity":
+        capped.announced(int(announced))  # (an encoded body's length is not the blob's)
     digest = _digest_of(dest) if resumed else hashlib.sha256()
     with open(dest, "ab" if resumed else "wb") as sink:
         for chunk in response.iter_bytes(DOWNLOAD_CHUNK):
+            if not capped.fits(len(chunk)):
+                break
             sink.write(chunk)
             digest.update(chunk)
             if progress:
                 progress(len(chunk))
+    capped.done()
     return digest.hexdigest()
 
 
-def _fetch(url: str, dest: Path, start: int, progress: Progress | None) -> str:
+class _Capped:
+    """The size limit of one download file: the blob's signed size. A body longer than the
+    limit stops before the byte that would pass it (nothing past the limit is ever written:
+    a malicious URL once made an edge write 304 MB for a 12 kB blob before the digest check),
+    and the partial file is removed."""
+
+    def __init__(self, dest: Path, size: int, limit: int | None) -> None:
+        self.dest, self.size, self.limit, self.over = dest, size, limit, False
+
+    def announced(self, length: int | None) -> None:
+        """Refuse before writing anything when the Content-Length is already too long."""
+        if length is not None and self.limit is not None and self.size + length > self.limit:
+            self.over = True
+            self.done()
+
+    def fits(self, count: int) -> bool:
+        if self.limit is not None and self.size + count > self.limit:
+            self.over = True
+            return False
+        self.size += count
+        return True
+
+    def done(self) -> None:
+        if self.over:
+            self.dest.unlink(missing_ok=True)
+            raise IntegrityMismatch(
+                f"the download of blob {self.dest.name} is longer than its signed "
+                f"{self.limit} bytes; stopped there and deleted, not imported"
+            )
+
+
+def _fetch(
+    url: str, dest: Path, start: int, progress: Progress | None, limit: int | None = None
+) -> str:
     """GET a presigned URL into `dest` (from byte `start`) with the standard library.
 
     httpx reads a response body in 64 kB pieces, each copied through h11's buffers: at about
@@ -285,6 +386,8 @@ def _fetch(url: str, dest: Path, start: int, progress: Progress | None) -> str:
             text = response.read(2000).decode("utf-8", errors="replace")
             raise ApiError(response.status, "http_error", f"HTTP {response.status}: {text[:200]}")
         resumed = start and response.status == 206
+        capped = _Capped(dest, start if resumed else 0, limit)
+        capped.announced(response.length)
         digest = _digest_of(dest) if resumed else hashlib.sha256()
         buffer = bytearray(DOWNLOAD_CHUNK)
         view = memoryview(buffer)
@@ -298,10 +401,13 @@ def _fetch(url: str, dest: Path, start: int, progress: Progress | None) -> str:
                     ) from error
                 if not count:
                     break  # the end, or the connection closed early (checked below)
+                if not capped.fits(count):
+                    break
                 sink.write(view[:count])
                 digest.update(view[:count])
                 if progress:
                     progress(count)
+        capped.done()
         if response.length:  # bytes announced by Content-Length but never received
             raise ApiError(
                 0,

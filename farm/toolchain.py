@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+from farm.core.blobformat import read_header
 from farm.core.checks import Check
 from farm.core.errors import CompileError, CompilerUnavailable
 from farm.core.spec import KNOWN_TARGETS, CompileSpec, Target, Toolchain, compile_properties
@@ -42,14 +44,30 @@ def openvino_release() -> str:
     return ov.get_version().split("-", 1)[0]
 
 
-def toolchain_of(compiled: ov.CompiledModel, target: Target) -> Toolchain:
-    """The toolchain facts of a compiled model, read back from OpenVINO."""
+def toolchain_of(
+    compiled: ov.CompiledModel, target: Target, cache_entry: Path | None = None
+) -> Toolchain:
+    """The toolchain facts of a compiled model, read back from OpenVINO.
+
+    A CPU blob imports only where its runtime requirements match. OpenVINO 2026 reports them
+    (`RUNTIME_REQUIREMENTS`: version and ISA); older releases do not have the property, and
+    their CPU plugin checks only the OpenVINO build a cache entry was written by: then the
+    requirements are the `runtime_info` of the cache entry's header (`cache_entry`), which is
+    what that OpenVINO itself compares (docs/openvino.md, "Releases")."""
     npu_compiler = None
     runtime_requirements = None
     if target.is_npu:
         npu_compiler = str(_property_or_none(compiled, "NPU_COMPILER_VERSION"))
     else:
-        runtime_requirements = str(compiled.get_property("RUNTIME_REQUIREMENTS"))
+        reported = _property_or_none(compiled, "RUNTIME_REQUIREMENTS")
+        if reported is None and cache_entry is not None:
+            reported = read_header(cache_entry).attributes.get("runtime_info")
+        if reported is None:
+            raise CompileError(
+                f"OpenVINO {ov.get_version()} reports no RUNTIME_REQUIREMENTS for CPU and no "
+                f"cache entry was written to read them from"
+            )
+        runtime_requirements = str(reported)
     return Toolchain(
         openvino=openvino_release(),
         openvino_build=ov.get_version(),
@@ -68,7 +86,52 @@ def host_toolchain(target: Target) -> Toolchain:
     if target.is_npu:
         return Toolchain(openvino=openvino_release(), openvino_build=ov.get_version())
     compiled = ov.Core().compile_model(tiny_model(), "CPU")
-    return toolchain_of(compiled, target)
+    if _property_or_none(compiled, "RUNTIME_REQUIREMENTS") is not None:
+        return toolchain_of(compiled, target)
+    # An older release: its requirements are in the header of the cache entry it writes.
+    with tempfile.TemporaryDirectory(prefix="farm-toolchain-") as folder:
+        entry = Path(folder) / "probe.blob"
+        compiled = ov.Core().compile_model(
+            tiny_model(), "CPU", cache_properties(Path(folder), "probe")
+        )
+        return toolchain_of(compiled, target, written_blob(Path(folder), entry))
+
+
+@cache
+def names_cache_entries() -> bool:
+    """Whether this OpenVINO takes `CACHE_BLOB_ID` (2026 does; 2025.4 refuses the property and
+    names a cache entry after its own hash of the model)."""
+    with tempfile.TemporaryDirectory(prefix="farm-probe-") as folder:
+        try:
+            ov.Core().compile_model(
+                tiny_model(), "CPU", {"CACHE_DIR": folder, "CACHE_BLOB_ID": "probe"}
+            )
+        except Exception as error:
+            if "CACHE_BLOB_ID" in str(error):
+                return False
+            raise
+    return True
+
+
+def cache_properties(folder: Path, blob_id: str) -> dict[str, str]:
+    """Properties that make OpenVINO write the compiled blob into `folder`, as `<blob_id>.blob`
+    where this release can name it (see `written_blob`)."""
+    properties = {"CACHE_DIR": str(folder)}
+    if names_cache_entries():
+        properties["CACHE_BLOB_ID"] = blob_id
+    return properties
+
+
+def written_blob(folder: Path, wanted: Path) -> Path:
+    """The cache entry OpenVINO wrote into `folder` (an empty folder before the compile),
+    renamed to `wanted` when this release chose its own name."""
+    if wanted.is_file():
+        return wanted
+    written = sorted(folder.glob("*.blob"))
+    if len(written) != 1:
+        raise CompileError(f"OpenVINO compiled but wrote {len(written)} blobs into {folder}")
+    written[0].replace(wanted)
+    return wanted
 
 
 @cache

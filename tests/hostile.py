@@ -210,6 +210,18 @@ def bin_oversized(folder: Path, extra_bytes: int) -> Path:
     return xml
 
 
+TERMINAL_ESCAPES = "\x1b]0;pwned\x07\x1b]52;c;cHduZWQ=\x07\x1b[2J\x1b[3J\x9b2J"
+"""A window title (OSC 0), a clipboard write (OSC 52) and screen clears (ESC [ and C1 CSI)."""
+
+
+def op_type_terminal_escapes(folder: Path) -> Path:
+    """An IR whose op type holds terminal escapes (`TERMINAL_ESCAPES`): OpenVINO refuses the
+    op and quotes its type in the error, which reaches job errors, logs and messages."""
+    return _edit_xml(
+        folder, lambda text: text.replace('type="ReLU"', f'type="ReLU{TERMINAL_ESCAPES}"', 1)
+    )
+
+
 MODEL_FILES: dict[str, Callable[[Path], Path]] = {
     "xml-mismatched-tags": xml_mismatched_tags,
     "xml-xxe-file": xml_xxe_file,

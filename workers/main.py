@@ -13,9 +13,12 @@ from celery import signals
 from farm import toolchain
 from farm.core import errors
 from farm.core.config import Settings
+from farm.core.logs import redact_logs
+from farm.core.spec import Target
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
 from farm.server.doctor import ServiceUnavailable, require_services, signing_check
+from farm.server.processes import die_with_parent, name_process
 
 from . import tasks
 from .app import make_app
@@ -36,6 +39,8 @@ def run_worker(
     loglevel: str = "INFO",
 ) -> None:
     """Start a Celery worker in this process; returns when it shuts down."""
+    # Drivers' errors may quote their URLs: no log line of the worker shows a password.
+    redact_logs(settings.secrets)
     require_services(settings)
     signing = signing_check(settings)
     if not signing.ok:
@@ -49,8 +54,12 @@ def run_worker(
             "this host compiles no target: " + "; ".join(filter(None, probe.values()))
         )
     memory = settings.worker_memory_bytes or host_memory_bytes()
+    toolchains = {
+        name: toolchain.host_toolchain(Target.parse(name)).key_part(Target.parse(name))
+        for name in compilable
+    }
     queues = [
-        *routing.worker_queues(compilable, memory, settings.large_worker_bytes),
+        *routing.worker_queues(toolchains, memory, settings.large_worker_bytes),
         CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"
@@ -75,6 +84,7 @@ def run_worker(
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 targets=probe,
+                toolchains=toolchains,
                 queues=queues,
                 openvino_version=ov.get_version(),
                 memory_bytes=memory,
@@ -105,4 +115,18 @@ def run_worker(
     ]
     if beat:
         argv.append("--beat")
+        _beat_dies_with(os.getpid())
     app.worker_main(argv)
+
+
+def _beat_dies_with(worker_pid: int) -> None:
+    """The embedded beat (`--beat`) is a child process of the worker: when the worker dies,
+    even by SIGKILL, the beat dies too, instead of sending reconcile tasks beside the beat of
+    the restarted worker. It shows as ``farm beat`` in ``ps``."""
+
+    @signals.beat_embedded_init.connect(weak=False)
+    def on_beat_start(**_: object) -> None:
+        die_with_parent()
+        name_process("farm beat")
+        if os.getppid() != worker_pid:  # the worker died before the line above took hold
+            os._exit(1)

@@ -1,4 +1,11 @@
-"""Shared pieces of the `farm` command: exit codes, error mapping, spec flags, output."""
+"""Shared pieces of the `farm` command: exit codes, error mapping, spec flags, output.
+
+What the CLI prints for people passes through `farm.core.text.printable`: a model's op type, a
+compiler's message or a worker's name reaches the terminal with its control characters shown
+(``\x1b``), never obeyed (no title change, no OSC 52 clipboard write, no screen clear), and
+is printed without Rich markup. ``--json`` prints the raw text as JSON, which escapes control
+characters itself.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,13 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 from farm.cli.backends import Backend, open_backend
 from farm.core.config import get_settings
 from farm.core.errors import FarmError, Kind
-from farm.core.text import size_text
+from farm.core.text import printable, redact, size_text
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -23,6 +32,7 @@ EXIT_NOT_FOUND = 3
 EXIT_COMPILER_UNAVAILABLE = 4
 EXIT_INFRASTRUCTURE = 5
 EXIT_UNAUTHORIZED = 6
+EXIT_GAVE_UP = 7
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -36,7 +46,17 @@ class FarmCliError(click.ClickException):
         self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"farm: error: {self.message}", err=True)
+        message = printable(redact(self.message, _secrets()))
+        click.echo(f"farm: error: {message}", err=True)
+
+
+def _secrets() -> list[str]:
+    """The secrets of the settings, to redact from an error message; none when the settings
+    themselves are what failed."""
+    try:
+        return get_settings().secrets
+    except Exception:
+        return []
 
 
 EXIT_CODES: dict[Kind, int] = {
@@ -50,6 +70,7 @@ EXIT_CODES: dict[Kind, int] = {
     Kind.FORBIDDEN: EXIT_UNAUTHORIZED,
     Kind.RATE_LIMITED: EXIT_INFRASTRUCTURE,
     Kind.JOB_FAILED: EXIT_JOB_FAILED,
+    Kind.GAVE_UP: EXIT_GAVE_UP,
 }
 """The exit code of each kind of error (README "Exit codes"): the CLI's one table."""
 
@@ -129,21 +150,32 @@ def check_key(text: str) -> str:
     return key
 
 
+def say(text: str, console: Console = out, **options: Any) -> None:
+    """Print `text` for people: control characters shown, not obeyed; no markup, no emoji."""
+    console.print(printable(text), markup=False, emoji=False, **options)
+
+
+def cell(value: object) -> Text:
+    """A table cell of text that may come from a model or another host: one line, shown
+    literally (a Rich table would read ``[link=...]`` as markup)."""
+    return Text(printable("" if value is None else str(value), multiline=False))
+
+
 def print_job(job: dict) -> None:
-    out.print(f"job        {job['id']} ({job['target']}): {job['state']}")
+    say(f"job        {job['id']} ({job['target']}): {job['state']}")
     if job.get("compile_seconds") is not None:
-        out.print(
+        say(
             f"timings    compile {job['compile_seconds']:.2f} s, export "
             f"{job['export_seconds']:.2f} s, peak RSS {size_text(job['peak_rss_bytes'] or 0)}"
         )
     if job.get("error"):
-        out.print(f"error      {job['error']}", markup=False)
+        say(f"error      {job['error']}")
     if job.get("note"):
-        out.print(f"note       {job['note']}", markup=False)
+        say(f"note       {job['note']}")
 
 
 def print_blob(blob: dict) -> None:
-    out.print(
+    say(
         f"blob       {blob['target']}, OpenVINO {blob['openvino']}, "
         f"{size_text(blob['size_bytes'])}, sha256 {blob['sha256']}"
     )
@@ -173,5 +205,5 @@ def progress_bar(description: str, total: int, quiet: bool = False):
         console=err,
         transient=True,
     ) as progress:
-        task = progress.add_task(description, total=total)
+        task = progress.add_task(escape(printable(description)), total=total)
         yield lambda count: progress.advance(task, count)

@@ -25,6 +25,7 @@ from farm.cli.common import (
     json_option,
     out,
     progress_bar,
+    say,
     size_text,
     spec_options,
 )
@@ -76,6 +77,15 @@ def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="With --into-cache-dir: the model path the app passes to compile_model.",
 )
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["blob", "cache-entry"]),
+    default="blob",
+    show_default=True,
+    help="-o writes the plain export_model() bytes (blob: what core.import_model opens), or "
+    "OpenVINO's cache entry (header, then those bytes).",
+)
 @click.option("--import", "do_import", is_flag=True, help="Import it here and report the time.")
 @click.option(
     "--weights",
@@ -88,6 +98,7 @@ def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None
 def pull(
     key_or_model: str,
     output: Path | None,
+    output_format: str,
     into_cache_dir: Path | None,
     for_model: Path | None,
     do_import: bool,
@@ -109,8 +120,14 @@ def pull(
         "downloaded": fetched.downloaded,
     }
     if output is not None:
-        _copy_atomically(fetched.path, output)
+        if output_format == "blob":
+            from farm.edge.importer import write_export  # the edge: only when used
+
+            write_export(fetched.path, output)
+        else:
+            _copy_atomically(fetched.path, output)
         data["output"] = str(output)
+        data["output_format"] = output_format
     if into_cache_dir is not None:
         from farm.edge.dropin import write_cache_entry  # the edge: only when used
 
@@ -124,14 +141,14 @@ def pull(
 
     def human() -> None:
         how = "downloaded" if fetched.downloaded else "cached"
-        out.print(
+        say(
             f"{how} {key} ({blob['target']}, {size_text(blob['size_bytes'])}, "
             f"sha256 {blob['sha256'][:16]}…) → {data.get('output') or fetched.path}"
         )
         if "cache_entry" in data:
-            out.print(f"OpenVINO cache entry: {data['cache_entry']} (CACHE_BLOB_ID={key})")
+            say(f"OpenVINO cache entry: {data['cache_entry']} (CACHE_BLOB_ID={key})")
         if do_import:
-            out.print(f"imported in {data['import_seconds'] * 1000:.1f} ms")
+            say(f"imported in {data['import_seconds'] * 1000:.1f} ms")
 
     emit(data, as_json, human)
 
@@ -157,14 +174,20 @@ def _copy_atomically(source: Path, output: Path) -> None:
 @json_option
 @handle_errors
 def run(blob: Path, device: str, weights: Path | None, as_json: bool) -> None:
-    """Import BLOB with OpenVINO and run one inference on random input."""
+    """Import BLOB (a plain exported blob or an OpenVINO cache entry) with OpenVINO and run one
+    inference on random input."""
     from farm.edge import import_blob, infer_once  # OpenVINO: only when used
+    from farm.toolchain import last_line
 
     target = Target.parse(device)
     try:
         imported = import_blob(blob, target.device, weights)
     except RuntimeError as error:
-        raise FarmCliError(f"OpenVINO cannot import {blob}: {error}", EXIT_BAD_INPUT) from error
+        raise FarmCliError(
+            f"OpenVINO cannot import {blob} (neither an exported blob nor an OpenVINO cache "
+            f"entry it can read): {last_line(error)}",
+            EXIT_BAD_INPUT,
+        ) from error
     result = infer_once(imported)
     data = {
         "blob": str(blob),
@@ -175,7 +198,7 @@ def run(blob: Path, device: str, weights: Path | None, as_json: bool) -> None:
     emit(
         data,
         as_json,
-        lambda: out.print(
+        lambda: say(
             f"imported {blob.name} on {target.device} in {imported.import_seconds * 1000:.1f} ms; "
             f"one inference {result['latency_seconds'] * 1000:.2f} ms; outputs {result['outputs']}"
         ),
@@ -218,4 +241,4 @@ def _print_sync(results) -> None:
             line += f"  {result.cache_key[:16]}…"
         if result.detail:
             line += f"  ({result.detail})"
-        (out if result.status == "ready" else err).print(line, soft_wrap=True)
+        say(line, out if result.status == "ready" else err, soft_wrap=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import sys
 import time
 from datetime import UTC, datetime
@@ -17,12 +18,14 @@ from typing import Any
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
 from farm.cli.common import (
     EXIT_JOB_FAILED,
     backend,
+    cell,
     check_key,
     emit,
     err,
@@ -32,15 +35,17 @@ from farm.cli.common import (
     print_blob,
     print_job,
     progress_bar,
+    say,
     size_text,
     spec_options,
 )
 from farm.core import hashing
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
-from farm.core.errors import NotFound
+from farm.core.errors import NotFound, WaitTimeout
 from farm.core.identity import ModelRef
-from farm.core.spec import CompileSpec, SpecError
+from farm.core.spec import CompileSpec, SpecError, Toolchain
+from farm.core.text import printable, toolchains_text
 from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
 
 WAIT_POLL_SECONDS = 0.5
@@ -87,10 +92,32 @@ def _split(value: str | None) -> list[str]:
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @spec_options(device_required=True)
 @click.option("--wait/--no-wait", default=False, help="Follow queued jobs to their end.")
+@click.option(
+    "--wait-timeout",
+    type=click.FloatRange(min=0),
+    default=600,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --wait: give up (exit 7) on a job no worker took in this time; 0: never.",
+)
+@click.option(
+    "--toolchain",
+    "toolchain_file",
+    type=click.File("r"),
+    help="Compile for this toolchain (a file `farm toolchain --json` wrote; - for stdin).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @json_option
 @handle_errors
-def submit(model: Path, wait: bool, quiet: bool, as_json: bool, **options: Any) -> None:
+def submit(
+    model: Path,
+    wait: bool,
+    wait_timeout: float,
+    toolchain_file: Any,
+    quiet: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
     """Compile MODEL for a target (or a matrix: --device 3720,4000 --batch 1,4).
 
     Embedded (nothing configured): compiles here, now. Served: queues jobs for workers, through
@@ -108,14 +135,17 @@ def submit(model: Path, wait: bool, quiet: bool, as_json: bool, **options: Any) 
         )
     for spec in specs:
         prepare.check_model(ref.files, spec)
-    cpu = next((s.target for s in specs if not s.target.is_npu), None)
-    host = toolchain.host_toolchain(cpu or specs[0].target)
+    if toolchain_file is not None:
+        wanted = Toolchain.from_json(_json_of(toolchain_file))
+    else:
+        cpu = next((s.target for s in specs if not s.target.is_npu), None)
+        wanted = toolchain.host_toolchain(cpu or specs[0].target)
     farm = backend()
-    answer = farm.submit(ref, specs, host, _SubmitProgress(model.name, quiet or as_json))
+    answer = farm.submit(ref, specs, wanted, _SubmitProgress(model.name, quiet or as_json))
     if wait:
         for result in answer["results"]:
             if result["job"] and result["job"]["state"] not in FINAL_STATES:
-                result["job"] = _wait(farm, result["job"]["id"], quiet or as_json)
+                result["job"] = _wait(farm, result["job"]["id"], quiet or as_json, wait_timeout)
     _print_submission(answer, as_json)
     states = [r["job"]["state"] for r in answer["results"] if r["job"]]
     if any(state in (JobState.FAILED, JobState.CANCELLED) for state in states):
@@ -132,20 +162,43 @@ class _SubmitProgress:
         return progress_bar(f"uploading {self.model_name}", total_bytes, self.quiet)
 
     def compiling(self, what: str) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext() if self.quiet else err.status(f"compiling {what}")
+        if self.quiet:
+            return contextlib.nullcontext()
+        return err.status(Text(printable(f"compiling {what}", multiline=False)))
 
 
-def _wait(farm: Backend, job_id: int, quiet: bool) -> dict[str, Any]:
-    """Poll a job until it reaches a final state."""
+def _wait(farm: Backend, job_id: int, quiet: bool, timeout: float = 0) -> dict[str, Any]:
+    """Poll a job until it reaches a final state. A job no live worker can take says so once
+    (on stderr); one still queued after `timeout` seconds (0: never) is given up on with
+    WaitTimeout: the job itself goes on."""
     status = contextlib.nullcontext() if quiet else err.status(f"waiting for job {job_id}")
+    started, noted = time.monotonic(), False
     with status as shown:
         while True:
             job = farm.job(job_id)
             if job["state"] in FINAL_STATES:
                 return job
+            if job.get("note") and not noted:
+                say(f"job {job_id}: {job['note']}", err)
+                noted = True
+            queued = job["state"] == JobState.QUEUED
+            if timeout and queued and time.monotonic() - started > timeout:
+                raise WaitTimeout(
+                    f"gave up waiting for job {job_id}: still queued after {timeout:.0f} s "
+                    f"(--wait-timeout){'; ' + job['note'] if job.get('note') else ''}; the job "
+                    f"stays queued: follow it with `farm status {job_id}`, or `farm cancel "
+                    f"{job_id}`"
+                )
             if shown:
-                shown.update(f"job {job_id}: {job['state']}")
+                shown.update(Text(printable(f"job {job_id}: {job['state']}")))
             time.sleep(WAIT_POLL_SECONDS)
+
+
+def _json_of(stream: Any) -> Any:
+    try:
+        return json.load(stream)
+    except ValueError as error:
+        raise SpecError(f"--toolchain {stream.name}: not JSON ({error})") from None
 
 
 def _print_submission(answer: dict, as_json: bool) -> None:
@@ -161,9 +214,9 @@ def _print_submission(answer: dict, as_json: bool) -> None:
 
     def human() -> None:
         for result in results:
-            out.print(f"cache key  {result['cache_key']}  ({result['target']})")
+            say(f"cache key  {result['cache_key']}  ({result['target']})")
             if result["job"] is None:
-                out.print("outcome    hit (the blob exists; nothing compiled)")
+                say("outcome    hit (the blob exists; nothing compiled)")
             else:
                 print_job(result["job"])
 
@@ -225,12 +278,12 @@ def jobs(
         table = Table("job", "target", "state", "queue", "created", "error")
         for row in rows:
             table.add_row(
-                str(row["id"]),
-                row["target"],
-                row["state"],
-                row["queue"],
-                str(row["created_at"])[:19],
-                (row["error"] or "")[:60],
+                cell(row["id"]),
+                cell(row["target"]),
+                cell(row["state"]),
+                cell(row["queue"]),
+                cell(str(row["created_at"])[:19]),
+                cell((row["error"] or "")[:60]),
             )
         out.print(table)
 
@@ -244,7 +297,11 @@ def jobs(
 def logs(job_id: int, as_json: bool) -> None:
     """Print a job's log: the properties used, timings, and the compiler's output."""
     entry = backend().log(job_id)
-    emit(entry, as_json, lambda: click.echo(entry["log"] or f"job {job_id} has no log yet"))
+    emit(
+        entry,
+        as_json,
+        lambda: click.echo(printable(entry["log"]) or f"job {job_id} has no log yet"),
+    )
 
 
 @main.command()
@@ -271,12 +328,12 @@ def blobs(target: str | None, limit: int, show_all: bool, as_json: bool) -> None
         table = Table("cache key", "target", "OpenVINO", "size", "compile s", "created")
         for row in rows:
             table.add_row(
-                row["cache_key"][:16],
-                row["target"],
-                row["openvino"],
+                cell(row["cache_key"][:16]),
+                cell(row["target"]),
+                cell(row["openvino"]),
                 size_text(row["size_bytes"]),
                 f"{row['compile_seconds'] or 0:.2f}",
-                str(row["created_at"])[:19],
+                cell(str(row["created_at"])[:19]),
             )
         out.print(table)
 
@@ -292,15 +349,15 @@ def workers(show_all: bool, as_json: bool) -> None:
     rows = [w for w in backend().workers() if show_all or w["live"]]
 
     def human() -> None:
-        table = Table("worker", "live", "queues", "memory", "OpenVINO", "last seen")
+        table = Table("worker", "live", "toolchains", "memory", "OpenVINO", "last seen")
         for row in rows:
             table.add_row(
-                row["name"],
+                cell(row["name"]),
                 "yes" if row["live"] else "no",
-                ", ".join(row["queues"]),
+                cell(toolchains_text(row.get("toolchains"))),
                 size_text(row["memory_bytes"]),
-                row["openvino"].split("-")[0],
-                str(row["heartbeat_at"])[:19],
+                cell(row["openvino"].split("-")[0]),
+                cell(str(row["heartbeat_at"])[:19]),
             )
         out.print(table)
 

@@ -7,9 +7,17 @@ from pathlib import Path
 import click
 
 from farm.cli import main
-from farm.cli.common import emit, handle_errors, json_option, out
+from farm.cli.common import (
+    EXIT_CODES,
+    FarmCliError,
+    emit,
+    err,
+    handle_errors,
+    json_option,
+    out,
+)
 from farm.core.config import get_settings
-from farm.core.errors import KeyFileError
+from farm.core.errors import KeyFileError, Kind
 from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
 
 
@@ -82,3 +90,41 @@ def keys_show(as_json: bool) -> None:
             out.print("FARM_ALLOW_UNSIGNED is set: this machine imports unsigned blobs")
 
     emit(data, as_json, human)
+
+
+@keys.command("resign")
+@click.option(
+    "--accept-unverified",
+    is_flag=True,
+    help="Also sign blobs whose present signature no trusted key verifies (or that are "
+    "unsigned): you vouch for the database and storage.",
+)
+@json_option
+@handle_errors
+def keys_resign(accept_unverified: bool, as_json: bool) -> None:
+    """Sign every blob's manifest with FARM_SIGNING_KEY: after a key is retired, or for blobs
+    recorded before manifests were signed. Old signatures must verify against FARM_TRUSTED_KEYS;
+    each stored blob is hashed again first. Needs the database, storage and the private key."""
+    from farm.cli.backends.direct import Direct  # farm[embedded]: an operator command
+
+    report = Direct.open(get_settings()).resign_blobs(accept_unverified)
+    data = report.as_dict()
+
+    def human() -> None:
+        out.print(
+            f"re-signed {report.resigned} blob(s) with key {report.key_id}; skipped "
+            f"{report.skipped} (already signed by it); failed {len(report.failures)}",
+            soft_wrap=True,
+        )
+        for failure in report.failures:
+            err.print(f"{failure.cache_key}  {failure.reason}", soft_wrap=True, markup=False)
+
+    emit(data, as_json, human)
+    if report.failures:
+        kinds = [failure.kind for failure in report.failures]
+        # Storage failures first: running again later may sign those.
+        kind = Kind.INFRASTRUCTURE if Kind.INFRASTRUCTURE in kinds else kinds[0]
+        raise FarmCliError(
+            f"{len(report.failures)} blob(s) not re-signed (each named with its reason above)",
+            EXIT_CODES[kind],
+        )

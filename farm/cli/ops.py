@@ -14,6 +14,7 @@ from farm.cli.common import (
     handle_errors,
     json_option,
     out,
+    say,
     size_text,
 )
 from farm.core.config import get_settings
@@ -66,7 +67,7 @@ def doctor(as_json: bool) -> None:
         for c in checks:
             mark = "[green]ok[/]     " if c.ok else "[red]missing[/]"
             out.print(f"{mark} {c.name}: ", end="")
-            out.print(c.detail, markup=False)
+            say(c.detail)
 
     emit(rows, as_json, human)
     if any(not c.ok for c in checks if c.name in ("database", "broker", "storage")):
@@ -101,7 +102,8 @@ def reconcile(as_json: bool) -> None:
 @json_option
 @handle_errors
 def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
-    """Delete blobs no edge has pulled for N days, from the database and from storage."""
+    """Delete blobs no edge has pulled for N days, from the database and from storage, and
+    model files no job names, older than FARM_MODEL_GRACE_SECONDS."""
     report = _direct().collect_garbage(unpulled_days, dry_run)
 
     def human() -> None:
@@ -113,11 +115,17 @@ def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
                 f"pulls {blob.pulls}, last pulled {last}"
             )
         out.print(f"{verb} {len(report.blobs)} blobs, {size_text(report.bytes)}")
+        for model in report.models:
+            size, stored = size_text(model.size_bytes), str(model.stored_at)[:19]
+            out.print(f"{verb} model file {model.sha256} {size:>10} stored {stored}")
+        if report.models:
+            size = size_text(report.model_bytes)
+            out.print(f"{verb} {len(report.models)} model files no job names, {size}")
         if report.pending:
             state = "waiting for deletion" if dry_run else "still in storage (gc retries them)"
             out.print(f"{len(report.pending)} objects {state}")
         for error in report.errors:
-            err.print(f"farm: error: {error}", markup=False)
+            say(f"farm: error: {error}", err)
 
     emit(report.as_dict(), as_json, human)
     if report.errors:
@@ -155,7 +163,7 @@ def api(host: str, port: int, processes: int) -> None:
     """Serve the HTTP API (uvicorn)."""
     from farm.cli.backends.direct import serve_api  # farm[embedded]
 
-    serve_api(host, port, processes)
+    serve_api(host, port, processes, get_settings())
 
 
 @main.group()

@@ -17,6 +17,8 @@ from pathlib import Path
 from farm.core.errors import BlobFormatError
 
 MAX_HEADER_BYTES = 64 * 1024
+CACHE_ENTRY_MAGIC = b"<?xml"
+"""How a cache entry starts; a plain `export_model()` blob starts with the plugin's payload."""
 _HEADER = re.compile(rb"^<\?xml[^>]*\?>\s*<compiled_blob\b(?P<attrs>[^>]*)/>\n")
 _ATTR = re.compile(rb'(\w+)="([^"]*)"')
 
@@ -37,14 +39,20 @@ def read_header(path: str | Path) -> BlobHeader:
     with open(path, "rb") as stream:
         head = stream.read(MAX_HEADER_BYTES)
         size = stream.seek(0, 2)
+    return parse_header(head, size, str(path))
+
+
+def parse_header(head: bytes, size: int, name: str) -> BlobHeader:
+    """The header in `head` (the first `MAX_HEADER_BYTES` of a blob of `size` bytes, named
+    `name` in errors): for a blob read as a stream (`farm keys resign`)."""
     match = _HEADER.match(head)
     if not match:
-        raise BlobFormatError(f"{path}: not an OpenVINO compiled blob (no cache header)")
+        raise BlobFormatError(f"{name}: not an OpenVINO compiled blob (no cache header)")
     attributes = {k.decode(): v.decode() for k, v in _ATTR.findall(match["attrs"])}
     offset = match.end()
     alignment = int(attributes.get("header_size_alignment", "0") or 0)
     if alignment > 0:
         offset = -(-offset // alignment) * alignment
     if offset >= size:
-        raise BlobFormatError(f"{path}: blob has a header but no payload ({size} bytes)")
+        raise BlobFormatError(f"{name}: blob has a header but no payload ({size} bytes)")
     return BlobHeader(attributes, offset)

@@ -6,7 +6,10 @@ import os
 from functools import cached_property
 from pathlib import Path
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from farm.core.text import strip_userinfo, url_password
 
 
 class Settings(BaseSettings):
@@ -28,7 +31,9 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     """Redis URL of the Celery broker. Set: served mode (jobs go to workers)."""
     s3_endpoint_url: str | None = None
-    """S3 endpoint for SeaweedFS/MinIO; unset means AWS S3."""
+    """S3 endpoint for SeaweedFS/MinIO; unset means AWS S3. A ``user:password@`` in it is
+    dropped: boto3 never sends it (it signs with the FARM_S3_* keys), it would only leak into
+    presigned URLs and error messages."""
     s3_region: str | None = None
     s3_access_key_id: str | None = None
     """Unset: boto3's standard credential chain (AWS_* variables, profile, instance role)."""
@@ -50,11 +55,24 @@ class Settings(BaseSettings):
     its own job. Default: 90% of worker_memory_bytes, or of the host's memory. 0: no limit."""
     max_queue_seconds: int = 24 * 3600
     """A job queued longer than this fails (no worker took it)."""
+    max_blob_bytes: int | None = None
+    """Largest blob one compile may write; a compile past it fails its job and stores nothing.
+    Default: 4 times the model's bytes plus 256 MiB (a few KB of IR can broadcast a constant to
+    GBs at compile time)."""
+    compile_user: str | None = None
+    """User (name or uid) the compile child runs as when the worker runs as root; default
+    ``nobody``. ``root`` keeps root (not recommended: the child parses untrusted models)."""
     max_attempts: int = 3
     """Claims a new job gets. Every claim counts, whatever ended it: a worker that died (an
     OOM-killed compile) or an infrastructure error (storage, database, broker). Then it fails."""
     resend_after_seconds: int = 300
     """The reconciler re-sends a queued job's message after this long without a claim."""
+    stale_upload_seconds: int = 3600
+    """The reconciler aborts an unfinished multipart upload idle this long (no part sent);
+    an upload still sending parts is never aborted, however long it runs."""
+    model_grace_seconds: int = 24 * 3600
+    """`farm gc` deletes model files no job names once they are this old, so a model uploaded
+    but not yet submitted survives."""
     worker_heartbeat_seconds: int = 30
     """How often a worker updates its row in `workers`; 3 missed beats and it counts as gone."""
 
@@ -68,10 +86,24 @@ class Settings(BaseSettings):
     """Largest model file the API accepts."""
     max_request_bytes: int = 1 << 20
     """Largest request body the API accepts on any route but the model upload."""
+    max_concurrent_uploads: int = 4
+    """Model uploads one API process streams at once; more are answered 503
+    `too_many_uploads` with Retry-After (the client retries). Each holds up to ~80 MiB."""
     max_matrix: int = 64
     """Most jobs one submission may ask for."""
     presign_seconds: int = 3600
     """Lifetime of a presigned download URL."""
+    readyz_cache_seconds: float = 2.0
+    """`/readyz` answers from its last check for this long, so a burst of probes costs one
+    check of the database, broker and store. 0: check on every call."""
+    api_header_timeout_seconds: float = 10.0
+    """A connection must send a complete request head within this long of connecting (or of
+    its previous response), or the API closes it: slow clients cannot hold connections."""
+    api_body_timeout_seconds: float = 30.0
+    """The longest wait for the next piece of a request body (answered 408 past it). A body
+    of any route but the model upload must also arrive whole within this long."""
+    api_keep_alive_seconds: int = 5
+    """An idle keep-alive connection is closed after this long."""
 
     worker_model_cache_bytes: int = 32 * 2**30
     """Workers keep fetched model files under ``FARM_CACHE_DIR/models`` up to this size (LRU),
@@ -85,6 +117,19 @@ class Settings(BaseSettings):
     several, so a farm can rotate its key. The embedded farm's own key is always trusted."""
     allow_unsigned: bool = False
     """Edges: import blobs without checking signatures (development only)."""
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        return strip_userinfo(url) if url else url
+
+    @property
+    def secrets(self) -> list[str]:
+        """The passwords and keys in these settings, to redact from what is printed or logged
+        (`farm.core.text.redact`)."""
+        found = [url_password(url) for url in (self.database_url, self.broker_url)]
+        found += [url_password(self.storage_url), self.s3_secret_access_key, self.token]
+        return [secret for secret in found if secret]
 
     @property
     def served(self) -> bool:

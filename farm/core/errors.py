@@ -42,6 +42,8 @@ class Kind(enum.Enum):
     """Too many requests for this token; retry later."""
     JOB_FAILED = "job_failed"
     """A job ran and did not produce its blob (cancelled, timed out)."""
+    GAVE_UP = "gave_up"
+    """The caller stopped waiting; what it waited for goes on (a job no worker took yet)."""
 
 
 class FarmError(Exception):
@@ -113,6 +115,13 @@ class TokenError(FarmError, ValueError):
     kind, code = Kind.BAD_INPUT, "invalid_token"
 
 
+class BlobTooLarge(CompileError):
+    """The compile wrote a blob past its size limit (`FARM_MAX_BLOB_BYTES`): the job fails and
+    nothing is stored."""
+
+    code = "blob_too_large"
+
+
 # --- not found and conflicts ---------------------------------------------------------------
 
 
@@ -176,6 +185,13 @@ class SignatureError(FarmError):
     kind, code = Kind.INTEGRITY, "signature_invalid"
 
 
+class ModelFileCorrupt(IntegrityMismatch):
+    """A stored model file whose bytes do not have the digest it is stored under. The worker
+    that found it removes it, so the farm reports it missing and takes the genuine bytes."""
+
+    code = "model_file_corrupt"
+
+
 # --- infrastructure ------------------------------------------------------------------------
 
 
@@ -222,6 +238,13 @@ class DiskFull(FarmError, OSError):
     kind, code = Kind.INFRASTRUCTURE, "disk_full"
 
 
+class SandboxUnavailable(FarmError):
+    """The worker cannot set up the compile sandbox (no such compile user, a temporary
+    directory that user cannot reach): the host's fault, so the job is retried."""
+
+    kind, code = Kind.INFRASTRUCTURE, "sandbox_unavailable"
+
+
 # --- authorization -------------------------------------------------------------------------
 
 
@@ -244,6 +267,12 @@ class CompileCancelled(FarmError):
     """`farm cancel` stopped the compile."""
 
     kind, code = Kind.JOB_FAILED, "cancelled"
+
+
+class WaitTimeout(FarmError):
+    """`farm submit --wait` gave up on a job that stayed queued past `--wait-timeout`."""
+
+    kind, code = Kind.GAVE_UP, "wait_timeout"
 
 
 class CompileTimeout(FarmError):

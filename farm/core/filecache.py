@@ -1,23 +1,37 @@
 """The edge's local blob cache: verified blobs by cache key, a size cap, LRU eviction.
 
 Layout under the root (``FARM_CACHE_DIR/blobs``):
-  ``<cache_key>.blob``      complete, verified blobs, read-only; mtime = last use (LRU)
+  ``<cache_key>.blob``      complete, verified blobs, read-only; mtime = last use (LRU) when
+                            the blob has no manifest
+  ``<cache_key>.manifest``  what the blob was verified against (the edge: its signed
+                            manifest), bound to the very file by a stamp; mtime = last use
   ``partial/<cache_key>``   a download in progress or broken off, resumed from its size
 
 Only verified files are ever renamed into place (``os.replace``), so a reader never sees a
 half-written blob. A blob in use is held open with a shared ``flock``; eviction takes an
 exclusive non-blocking lock first and skips any blob it cannot lock, in this process or any
 other. Standard library only (edge-safe).
+
+The stamp is the file's (device, inode, size, mtime, ctime) taken when it was verified. Any
+change to the file through the file system changes it: a write or truncate changes mtime and
+ctime, a chmod ctime, a file renamed or copied into its place has another inode, and no call
+sets ctime back. So a stamp that still matches means the bytes are the ones that were hashed,
+for the price of one ``stat`` instead of hashing the whole blob on every use. A blob with a
+manifest is never touched after the stamp is taken: its last use goes on the manifest file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import re
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from farm.core.errors import CacheError
 
@@ -42,26 +56,70 @@ class BlobCache:
     def path(self, cache_key: str) -> Path:
         return self.root / f"{_checked(cache_key)}.blob"
 
+    def manifest_path(self, cache_key: str) -> Path:
+        return self.root / f"{_checked(cache_key)}.manifest"
+
     def partial_path(self, cache_key: str) -> Path:
         return self.partial_dir / _checked(cache_key)
 
     def get(self, cache_key: str) -> Path | None:
         """The cached blob for `cache_key`, marked as just used; None if not cached."""
         path = self.path(cache_key)
-        try:
-            os.utime(path)
-        except FileNotFoundError:
+        if not path.exists():
             return None
+        try:
+            os.utime(self.manifest_path(cache_key))  # never the blob: that would break its stamp
+        except FileNotFoundError:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                return None  # evicted meanwhile
         return path
 
-    def put(self, cache_key: str, verified: Path) -> Path:
-        """Move a verified file into the cache (atomically), then evict down to the cap."""
+    def put(
+        self, cache_key: str, verified: Path, manifest: Mapping[str, Any] | None = None
+    ) -> Path:
+        """Move a verified file into the cache (atomically), then evict down to the cap.
+
+        `manifest`: what the file was verified against (JSON-able), kept beside it and bound to
+        this very file (`manifest` returns it only while the file is unchanged).
+        """
         path = self.path(cache_key)
         verified.chmod(0o444)
+        if manifest is None:
+            self.manifest_path(cache_key).unlink(missing_ok=True)
         os.replace(verified, path)
         os.utime(path)
+        if manifest is not None:
+            self.bind(cache_key, manifest)
         self.evict(keep=cache_key)
         return path
+
+    def bind(self, cache_key: str, manifest: Mapping[str, Any]) -> None:
+        """Keep `manifest` beside the blob as it is now: call only after verifying the file."""
+        stamp = _stamp(self.path(cache_key))
+        target = self.manifest_path(cache_key)
+        handle, name = tempfile.mkstemp(dir=self.partial_dir, prefix=f"{target.name}.")
+        with os.fdopen(handle, "w") as sink:
+            json.dump({"stamp": stamp, "manifest": dict(manifest)}, sink)
+        os.replace(name, target)
+
+    def manifest(self, cache_key: str) -> dict[str, Any] | None:
+        """The manifest kept beside the blob, if the blob file is still the very file it was
+        bound to (same stamp); None when there is none, it is unreadable, or the file changed."""
+        try:
+            kept = json.loads(self.manifest_path(cache_key).read_bytes())
+            stamp = _stamp(self.path(cache_key))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(kept, dict) or kept.get("stamp") != stamp:
+            return None
+        manifest = kept.get("manifest")
+        return manifest if isinstance(manifest, dict) else None
+
+    def discard(self, cache_key: str) -> None:
+        """Forget the blob's manifest, so it is verified again before any use."""
+        self.manifest_path(cache_key).unlink(missing_ok=True)
 
     def hold(self, cache_key: str) -> BinaryIO:
         """Open the blob with a shared lock: eviction skips it until the file is closed."""
@@ -76,7 +134,10 @@ class BlobCache:
                 stat = path.stat()
             except FileNotFoundError:
                 continue  # evicted meanwhile
-            found.append(CachedBlob(path.stem, path, stat.st_size, stat.st_mtime))
+            used = stat.st_mtime
+            with contextlib.suppress(FileNotFoundError):
+                used = path.with_suffix(".manifest").stat().st_mtime
+            found.append(CachedBlob(path.stem, path, stat.st_size, used))
         return sorted(found, key=lambda entry: entry.last_used)
 
     def total_bytes(self) -> int:
@@ -97,6 +158,7 @@ class BlobCache:
             if total <= self.max_bytes:
                 break
             if entry.cache_key != keep and _remove_unless_held(entry.path):
+                entry.path.with_suffix(".manifest").unlink(missing_ok=True)
                 total -= entry.size_bytes
                 evicted.append(entry.cache_key)
         return evicted
@@ -112,6 +174,13 @@ def _remove_unless_held(path: Path) -> bool:
     except FileNotFoundError:
         pass  # another process evicted it
     return True
+
+
+def _stamp(path: Path) -> list[int]:
+    """What changes whenever the file does (module docstring): device, inode, size, mtime and
+    ctime in nanoseconds."""
+    stat = path.stat()
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
 def _checked(cache_key: str) -> str:

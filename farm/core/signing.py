@@ -1,9 +1,19 @@
-"""Signed blobs: a worker signs (cache key, sha256) of each blob it records with an Ed25519 key;
-an edge imports only blobs signed by a key it trusts.
+"""Signed blobs: a worker signs each blob's manifest with an Ed25519 key; an edge imports only
+blobs whose manifest a key it trusts signed, and acts only on the manifest's fields.
 
-The sha256 pins the bytes and the cache key pins what they claim to be (model, spec,
-toolchain), so a signature cannot be moved to another blob, and a farm database or bucket
-that an attacker can write to cannot hand an edge a blob no trusted worker produced.
+The manifest (version 2) is the canonical JSON of every field of a blob's record an edge acts
+on: the cache key it asked for, the sha256 and size of the bytes, the payload offset, the
+target and toolchain it checks compatibility with, whether the blob is weightless and the model
+digests it checks a weightless blob's `.bin` against. Signing all of them means that no one
+between the worker and the edge (the farm's database, bucket or API, a proxy) can hand an edge
+another key's blob, other bytes, or a record that passes the compatibility check falsely.
+
+Version 1 signed only ``(cache_key, sha256)``. Workers still write that signature too (the
+``signature`` column), so edges older than manifest signatures keep working during a rolling
+upgrade; edges of this version require the manifest signature and never fall back to v1, so a
+record stripped of its manifest signature is refused, not downgraded. Blobs recorded before
+manifests were signed get theirs from `farm keys resign`.
+
 Keys are files in PEM: the private key on workers (``FARM_SIGNING_KEY``), public keys on
 edges (``FARM_TRUSTED_KEYS``, several allowed so keys can be rotated). Edge-safe.
 """
@@ -14,21 +24,118 @@ import base64
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from farm.core.errors import KeyFileError, SignatureError
+from farm.core.errors import IntegrityMismatch, KeyFileError, SignatureError
+from farm.core.hashing import canonical_json
 
 MESSAGE_VERSION = b"farm-blob-signature-v1"
+MANIFEST_VERSION = 2
+MANIFEST_DOMAIN = b"farm-blob-manifest-v2\n"
+"""Prefix of the signed bytes: a v2 signature can never be read as a v1 one, or the reverse."""
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def message(cache_key: str, sha256: str) -> bytes:
+    """What a v1 signature covers (still written, for edges older than manifests)."""
     return b"\n".join([MESSAGE_VERSION, cache_key.encode("ascii"), sha256.encode("ascii")])
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Every field of a blob's record an edge acts on; what a v2 signature covers."""
+
+    cache_key: str
+    sha256: str
+    size_bytes: int
+    payload_offset: int
+    target: str
+    toolchain: dict[str, str | None] = field(hash=False)
+    weightless: bool
+    model: dict[str, str] = field(hash=False)
+    """sha256 of each model file by role (an edge checks a weightless blob's `.bin`)."""
+
+    FIELDS = (
+        "cache_key",
+        "sha256",
+        "size_bytes",
+        "payload_offset",
+        "target",
+        "toolchain",
+        "weightless",
+        "model",
+    )
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Manifest:
+        """The manifest of a blob record (the API's answer, or a row's fields), its types
+        checked: a record that is not one is refused, never half-read."""
+        name = str(record.get("cache_key"))[:64]
+        try:
+            values = {key: record[key] for key in cls.FIELDS}
+        except KeyError as missing:
+            raise IntegrityMismatch(f"the farm's record of blob {name} lacks {missing}") from None
+        problems = [
+            key
+            for key, ok in (
+                ("cache_key", _hex64(values["cache_key"])),
+                ("sha256", _hex64(values["sha256"])),
+                ("size_bytes", _count(values["size_bytes"])),
+                ("payload_offset", _count(values["payload_offset"])),
+                ("target", isinstance(values["target"], str)),
+                ("toolchain", _strings(values["toolchain"], nullable=True)),
+                ("weightless", isinstance(values["weightless"], bool)),
+                ("model", _strings(values["model"]) and all(map(_hex64, values["model"].values()))),
+            )
+            if not ok
+        ]
+        if problems:
+            raise IntegrityMismatch(
+                f"the farm's record of blob {name} is malformed ({', '.join(problems)}); "
+                "refusing it"
+            )
+        values["toolchain"] = dict(values["toolchain"])
+        values["model"] = dict(values["model"])
+        return cls(**values)
+
+    def document(self) -> dict[str, Any]:
+        """The signed JSON document: the fields and the manifest version."""
+        return {"v": MANIFEST_VERSION, **{key: getattr(self, key) for key in self.FIELDS}}
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as a blob record has them (to overlay a record with what was signed)."""
+        return {key: getattr(self, key) for key in self.FIELDS}
+
+    def canonical(self) -> bytes:
+        """Sorted keys, no spaces, UTF-8 (`hashing.canonical_json`): one byte string."""
+        return canonical_json(self.document())
+
+    def message(self) -> bytes:
+        return MANIFEST_DOMAIN + self.canonical()
+
+
+def _hex64(value: object) -> bool:
+    return isinstance(value, str) and bool(_HEX64.match(value))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: object, nullable: bool = False) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and (isinstance(v, str) or (nullable and v is None))
+        for k, v in value.items()
+    )
 
 
 def key_id(public: Ed25519PublicKey) -> str:
@@ -45,8 +152,17 @@ class Signer:
     def key_id(self) -> str:
         return key_id(self.private.public_key())
 
+    @property
+    def public_key(self) -> Ed25519PublicKey:
+        return self.private.public_key()
+
     def sign(self, cache_key: str, sha256: str) -> str:
+        """The v1 signature of (cache_key, sha256), for edges older than manifests."""
         return base64.b64encode(self.private.sign(message(cache_key, sha256))).decode("ascii")
+
+    def sign_manifest(self, manifest: Manifest) -> str:
+        """The v2 signature (base64) of the manifest: what edges of this version check."""
+        return base64.b64encode(self.private.sign(manifest.message())).decode("ascii")
 
     @classmethod
     def from_file(cls, path: Path) -> Signer:
@@ -76,10 +192,46 @@ class TrustedKeys:
             keys[key_id(public)] = public
         return cls(keys)
 
-    def verify(self, cache_key: str, sha256: str, signer_id: str | None, signature: str | None):
-        """Raise `SignatureError` unless a trusted key signed exactly (cache_key, sha256)."""
+    def with_key(self, public: Ed25519PublicKey) -> TrustedKeys:
+        """These keys and `public` (a farm trusts its own key)."""
+        return TrustedKeys({**self.keys, key_id(public): public})
+
+    def verify(
+        self, cache_key: str, sha256: str, signer_id: str | None, signature: str | None
+    ) -> None:
+        """Raise `SignatureError` unless a trusted key signed exactly (cache_key, sha256): a
+        v1 signature (`farm keys resign` checks old blobs with it; edges need manifests)."""
         if not signature or not signer_id:
             raise SignatureError(f"blob {cache_key} is not signed; refusing to import it")
+        self._check(cache_key, signer_id, signature, message(cache_key, sha256))
+
+    def verify_manifest(
+        self,
+        manifest: Manifest,
+        signer_id: str | None,
+        signature: str | None,
+        legacy_signature: str | None = None,
+    ) -> None:
+        """Raise `SignatureError` unless a trusted key signed exactly this manifest.
+
+        `legacy_signature` (the record's v1 signature) only changes the message when the
+        manifest is unsigned: such a blob predates manifest signatures, and the way out is
+        `farm keys resign` on the farm, never accepting the v1 signature here.
+        """
+        key = manifest.cache_key
+        if not signer_id or not signature:
+            if signer_id and legacy_signature:
+                raise SignatureError(
+                    f"blob {key} carries only a v1 signature, over its cache key and sha256, "
+                    "which leaves its target, toolchain, size and model digests unsigned; "
+                    "refusing it. The farm's operator signs its manifest with `farm keys resign`"
+                )
+            raise SignatureError(f"blob {key} is not signed; refusing to import it")
+        self._check(key, signer_id, signature, manifest.message())
+
+    def _check(self, cache_key: str, signer_id: str, signature: str, signed: bytes) -> None:
+        if not isinstance(signer_id, str) or not isinstance(signature, str):
+            raise SignatureError(f"blob {cache_key} has a malformed signature; refusing it")
         public = self.keys.get(signer_id)
         if public is None:
             known = ", ".join(sorted(self.keys)) or "none"
@@ -88,7 +240,7 @@ class TrustedKeys:
                 f"trust (trusted: {known}; FARM_TRUSTED_KEYS)"
             )
         try:
-            public.verify(base64.b64decode(signature, validate=True), message(cache_key, sha256))
+            public.verify(base64.b64decode(signature, validate=True), signed)
         except (InvalidSignature, ValueError):
             raise SignatureError(
                 f"blob {cache_key} has an invalid signature from key {signer_id}; refusing it"

@@ -174,6 +174,25 @@ class Toolchain:
             part["runtime_requirements"] = self.runtime_requirements
         return part
 
+    @classmethod
+    def from_json(cls, data: Any) -> Toolchain:
+        """The toolchain `farm toolchain --json` printed: one object, or a list of them (one
+        per target; the CPU entry carries the runtime requirements)."""
+        entries = data if isinstance(data, list) else [data]
+        if not entries or not all(isinstance(e, dict) and e.get("openvino") for e in entries):
+            raise SpecError("a toolchain file holds what `farm toolchain --json` prints")
+        releases = {str(e["openvino"]) for e in entries}
+        if len(releases) != 1:
+            raise SpecError(f"a toolchain file names one OpenVINO release, not {sorted(releases)}")
+        cpu = next((e for e in entries if e.get("runtime_requirements")), entries[0])
+        npu: dict[str, Any] = next((e for e in entries if e.get("npu_compiler")), {})
+        return cls(
+            openvino=releases.pop(),
+            openvino_build=cpu.get("openvino_build"),
+            npu_compiler=npu.get("npu_compiler"),
+            runtime_requirements=cpu.get("runtime_requirements"),
+        )
+
     def as_dict(self) -> dict[str, str | None]:
         return {
             "openvino": self.openvino,

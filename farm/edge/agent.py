@@ -1,6 +1,11 @@
 """The edge agent: resolve a cache key, check the blob fits this machine, download it (resumed,
 verified) into the local cache, import it, and report the pull. docs/architecture.md §10.
 
+The agent trusts the keys it was given, not the farm: it refuses a record of another cache key
+than the one it asked for, verifies the signed manifest (farm/core/signing.py) before acting
+on anything, and from then on reads only the manifest's fields. A cached blob is bound to the
+manifest it was verified against, and checked against it again on every use.
+
 The agent talks to a `BlobSource`: the farm API's `FarmClient` on an edge, or the farm's own
 database and store for an operator on the farm's network. Edge-safe: no SQLAlchemy, Celery,
 boto3 or FastAPI.
@@ -19,9 +24,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from farm.core import hashing
-from farm.core.errors import ApiError, DiskFull, Incompatible, IntegrityMismatch, NotFound
+from farm.core.errors import (
+    ApiError,
+    DiskFull,
+    Incompatible,
+    IntegrityMismatch,
+    NotFound,
+    SignatureError,
+)
 from farm.core.filecache import BlobCache
-from farm.core.signing import TrustedKeys
+from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.edge.importer import import_blob
 from farm.toolchain import host_toolchain
@@ -39,9 +51,17 @@ Progress = Callable[[int], None] | None
 class BlobSource(Protocol):
     def resolve(self, cache_key: str) -> dict | None: ...
 
-    def download(self, cache_key: str, dest: Path, progress: Progress = None) -> str | None:
+    def download(
+        self,
+        cache_key: str,
+        dest: Path,
+        progress: Progress = None,
+        max_bytes: int | None = None,
+    ) -> str | None:
         """Append the blob to `dest`; the sha256 of all of `dest` when computed on the way
-        (None: the agent reads the file again to hash it)."""
+        (None: the agent reads the file again to hash it). `dest` never grows past
+        `max_bytes` (the signed size): a longer body is an `IntegrityMismatch`, and `dest` is
+        removed (the agent checks the size again after any source)."""
 
     def report_pull(
         self,
@@ -60,6 +80,7 @@ class Fetched:
     cache_key: str
     path: Path
     blob: dict
+    """The farm's record with every field an edge acts on taken from the verified manifest."""
     downloaded: bool
     """False when the blob was already in the local cache."""
 
@@ -119,41 +140,97 @@ class EdgeAgent:
         blob = self.source.resolve(cache_key)
         if blob is None:
             raise NotFound(f"the farm has no blob for cache key {cache_key}; submit it first")
+        _same_key(cache_key, blob)
         return blob
 
-    def check(self, blob: Mapping[str, Any]) -> None:
-        """Before any download: signed by a trusted key, and importable by this machine."""
+    def check(self, blob: Mapping[str, Any], cache_key: str | None = None) -> Manifest:
+        """Before any download: the record is of `cache_key` (the key this edge asked for),
+        a trusted key signed its manifest, and this machine can import it. Returns the
+        manifest: everything after this acts on its fields only."""
+        _same_key(cache_key or str(blob.get("cache_key")), blob)
+        manifest = Manifest.from_record(blob)
         if self.trust is not None:
-            self.trust.verify(
-                blob["cache_key"], blob["sha256"], blob.get("signing_key_id"), blob.get("signature")
+            self.trust.verify_manifest(
+                manifest,
+                blob.get("signing_key_id"),
+                blob.get("manifest_signature"),
+                blob.get("signature"),
             )
-        problems = incompatibilities(blob, self.toolchain(Target.parse(blob["target"])))
+        problems = incompatibilities(
+            manifest.fields(), self.toolchain(Target.parse(manifest.target))
+        )
         if problems:
             raise Incompatible(
-                f"blob {blob['cache_key']} cannot be imported here: {'; '.join(problems)}; "
+                f"blob {manifest.cache_key} cannot be imported here: {'; '.join(problems)}; "
                 "nothing was downloaded"
             )
+        return manifest
 
     def fetch(self, cache_key: str, progress: Progress = None, blob: dict | None = None) -> Fetched:
         """The verified blob in the local cache: from the cache, or downloaded (resumed after a
-        broken connection, checked against the farm's sha256) after a compatibility check.
-        `blob` is the farm's record of it, when the caller resolved it already."""
-        blob = blob or self.resolve(cache_key)
-        self.check(blob)
-        cached = self.cache.get(cache_key)
+        broken connection, no longer than its signed size, checked against its signed sha256)
+        after the checks of `check`. `blob` is the farm's record of it, when the caller
+        resolved it already."""
+        record = blob or self.resolve(cache_key)
+        manifest = self.check(record, cache_key)
+        signed = {
+            "manifest": manifest.document(),
+            "signing_key_id": record.get("signing_key_id"),
+            "manifest_signature": record.get("manifest_signature"),
+        }
+        verified = {**record, **manifest.fields()}
+        cached = self._cached(manifest, signed)
         if cached is not None:
-            return Fetched(cache_key, cached, blob, downloaded=False)
+            return Fetched(cache_key, cached, verified, downloaded=False)
         partial = self.cache.partial_path(cache_key)
-        self._ensure_room(blob["size_bytes"] - _size(partial))
-        digest = self._download(cache_key, partial, blob["size_bytes"], progress)
+        self._ensure_room(manifest.size_bytes - _size(partial))
+        digest = self._download(cache_key, partial, manifest.size_bytes, progress)
         actual = digest or hashing.sha256_file(partial)
-        if actual != blob["sha256"]:
+        if actual != manifest.sha256:
             partial.unlink(missing_ok=True)
             raise IntegrityMismatch(
-                f"downloaded blob {cache_key} has sha256 {actual}, the farm recorded "
-                f"{blob['sha256']}; deleted, not imported"
+                f"downloaded blob {cache_key} has sha256 {actual}, its signed manifest says "
+                f"{manifest.sha256}; deleted, not imported"
             )
-        return Fetched(cache_key, self.cache.put(cache_key, partial), blob, downloaded=True)
+        path = self.cache.put(cache_key, partial, signed)
+        return Fetched(cache_key, path, verified, downloaded=True)
+
+    def _cached(self, manifest: Manifest, signed: dict[str, Any]) -> Path | None:
+        """The cached blob, if it is bound to `manifest`: the manifest kept beside it is for
+        this key, signed by a key trusted now, the one just verified, and the file is unchanged
+        since it was verified (its stamp, core/filecache.py). A file that is not bound (changed
+        on disk, placed under another key's name, kept by an older farm, signed by a retired
+        key) is hashed again: kept and bound anew if its bytes are the manifest's, else
+        replaced by a fresh download. Never imported unverified."""
+        key = manifest.cache_key
+        path = self.cache.get(key)
+        if path is None:
+            return None
+        if self._bound(self.cache.manifest(key), manifest):
+            return path
+        try:
+            if _size(path) == manifest.size_bytes and hashing.sha256_file(path) == manifest.sha256:
+                self.cache.bind(key, signed)
+                return path
+        except FileNotFoundError:
+            return None  # evicted meanwhile
+        self.cache.discard(key)
+        return None
+
+    def _bound(self, kept: Mapping[str, Any] | None, manifest: Manifest) -> bool:
+        if kept is None or kept.get("manifest") != manifest.document():
+            return False
+        if self.trust is None:
+            return True
+        try:
+            self.trust.verify_manifest(
+                Manifest.from_record(kept["manifest"]),
+                kept.get("signing_key_id"),
+                kept.get("manifest_signature"),
+            )
+        except (SignatureError, IntegrityMismatch):
+            return False
+        return True
 
     def load(
         self,
@@ -201,7 +278,7 @@ class EdgeAgent:
         pause = RETRY_BACKOFF_SECONDS
         for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
             try:
-                digest = self.source.download(cache_key, partial, progress)
+                digest = self.source.download(cache_key, partial, progress, max_bytes=size)
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise
@@ -216,7 +293,13 @@ class EdgeAgent:
                 time.sleep(pause)
                 pause *= 2
                 continue
-            if _size(partial) >= size:
+            if _size(partial) > size:  # a source that does not stop at the limit itself
+                partial.unlink(missing_ok=True)
+                raise IntegrityMismatch(
+                    f"the download of blob {cache_key} was longer than its signed {size} bytes; "
+                    "deleted, not imported"
+                )
+            if _size(partial) == size:
                 return digest
         raise IntegrityMismatch(
             f"download of {cache_key} kept ending early ({_size(partial)} of {size} bytes)"
@@ -230,6 +313,16 @@ class EdgeAgent:
                 f"the blob needs {needed} more bytes in {self.cache.root} but only {free} are "
                 "free; free some space or set FARM_CACHE_DIR / FARM_CACHE_MAX_BYTES"
             )
+
+
+def _same_key(asked: str, blob: Mapping[str, Any]) -> None:
+    """The farm (or whatever answers in its name) must answer the key that was asked."""
+    answered = blob.get("cache_key")
+    if answered != asked:
+        raise IntegrityMismatch(
+            f"asked for blob {asked}, the farm answered with the record of {str(answered)[:64]}; "
+            "refusing it (a proxy or the farm's API swapped it): nothing was downloaded"
+        )
 
 
 def _size(path: Path) -> int:

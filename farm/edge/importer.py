@@ -15,7 +15,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import openvino as ov
 
-from farm.core.blobformat import read_header
+from farm.core.blobformat import CACHE_ENTRY_MAGIC, read_header
+
+COPY_CHUNK = 1 << 20
 
 DROP_BEHIND_SECONDS = 0.01
 """While OpenVINO imports, the blob's mapped pages are released from this process this often."""
@@ -38,6 +40,33 @@ class ImportedBlob:
     """An open, share-locked handle on the cached file: the cache will not evict it."""
 
 
+def payload_offset(path: str | Path) -> int:
+    """Where the `export_model()` bytes start in the file at `path`: after the header of an
+    OpenVINO cache entry (what the farm stores and caches), or at 0 in a plain exported blob
+    (what `farm pull -o` writes and `CompiledModel.export_model()` returns)."""
+    with open(path, "rb") as stream:
+        head = stream.read(len(CACHE_ENTRY_MAGIC))
+    return read_header(path).payload_offset if head == CACHE_ENTRY_MAGIC else 0
+
+
+def write_export(entry: str | Path, output: str | Path) -> Path:
+    """Write the plain `export_model()` bytes of the cache entry at `entry` to `output`,
+    streamed (never whole in memory), atomically: the file any OpenVINO program imports
+    (`core.import_model(data, device)`, `benchmark_app -m`, a C++ app)."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        with open(entry, "rb") as source, open(partial, "wb") as target:
+            source.seek(read_header(entry).payload_offset)
+            while chunk := source.read(COPY_CHUNK):
+                target.write(chunk)
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return output
+
+
 def import_blob(
     path: str | Path,
     device: str,
@@ -50,7 +79,7 @@ def import_blob(
     checked its digest, because OpenVINO imports a wrong `.bin` of the same size silently.
     """
     started = time.perf_counter()
-    offset = read_header(path).payload_offset
+    offset = payload_offset(path)
     # Copy-on-write mapping: pages come from the file on demand; nothing is read up front.
     # (OpenVINO wants a writable array; it never writes to the blob it imports.)
     with open(path, "rb") as stream:

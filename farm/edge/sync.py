@@ -12,6 +12,7 @@ the manifest; the other keys are `CompileSpec.create`'s:
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 from farm.core.errors import Incompatible, NotFound
 from farm.core.identity import ModelRef, key_for
-from farm.core.spec import CompileSpec, SpecError
+from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.edge.agent import EdgeAgent
 from farm.toolchain import host_toolchain
 
@@ -28,6 +29,9 @@ from farm.toolchain import host_toolchain
 class ManifestEntry:
     model: Path
     spec: CompileSpec
+    toolchain: Toolchain | None = None
+    """From the entry's `toolchain` file (`farm toolchain --json`): the blob for edges with that
+    toolchain (staged here for them); None: this machine's own."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,26 @@ def load_manifest(path: Path) -> list[ManifestEntry]:
         if "path" not in table or "device" not in table:
             raise SpecError(f"{where} needs `path` and `device`")
         model = path.parent / table.pop("path")
+        toolchain = None
+        if "toolchain" in table:
+            toolchain = _toolchain_file(path.parent / table.pop("toolchain"), where)
         try:
             spec = CompileSpec.create(table.pop("device"), **table)
         except TypeError as error:
             raise SpecError(f"{where}: {error}") from None
         except SpecError as error:
             raise SpecError(f"{where}: {error}") from None
-        entries.append(ManifestEntry(model, spec))
+        entries.append(ManifestEntry(model, spec, toolchain))
     return entries
+
+
+def _toolchain_file(path: Path, where: str) -> Toolchain:
+    try:
+        return Toolchain.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as error:
+        if isinstance(error, SpecError):
+            raise SpecError(f"{where}: {path}: {error}") from None
+        raise SpecError(f"{where}: toolchain file {path}: {error}") from None
 
 
 def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -> list[SyncResult]:
@@ -76,7 +92,8 @@ def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -
         label, summary, key = str(entry.model), entry.spec.summary(), None
         try:
             ref = ModelRef.from_path(entry.model)
-            key = key_for(ref.identity, entry.spec, host_toolchain(entry.spec.target))
+            toolchain = entry.toolchain or host_toolchain(entry.spec.target)
+            key = key_for(ref.identity, entry.spec, toolchain)
             fetched = agent.fetch(key)
             if do_import:
                 agent.load(key, weights=ref.files.get("bin"), blob=fetched.blob)

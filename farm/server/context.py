@@ -80,6 +80,8 @@ class FarmContext:
             settings.lease_seconds,
             settings.max_run_seconds,
             settings.resolved_compile_memory_bytes,
+            max_blob_bytes=settings.max_blob_bytes,
+            compile_user=settings.compile_user,
         )
 
     @cached_property

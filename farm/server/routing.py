@@ -1,13 +1,27 @@
-"""Queues per target, and the registry of workers that serve them (the `workers` table)."""
+"""Queues per target and toolchain, and the registry of workers that serve them (the `workers`
+table).
+
+A blob is keyed by the toolchain that will import it (its OpenVINO release; for CPU also the
+runtime requirements string), and only a worker with that very toolchain produces a blob under
+that key. So each target has one queue per toolchain class, `compile.<target>.<release>.<tag>`
+(`tag`: 8 hex characters of the sha256 of the toolchain's key part), a job goes to the queue of
+the toolchain it was submitted for, and a worker consumes only the queues of the toolchains it
+has: a mixed pool (two OpenVINO releases, AVX2 and AVX-512 hosts) sends each job to a worker
+that can compile it, and no worker takes a job it would refuse.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from datetime import timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
+from farm.core.hashing import canonical_json
 from farm.core.spec import Target
 from farm.core.vocabulary import EMBEDDED_QUEUE, JobState
 from farm.server.db.models import Worker
@@ -16,18 +30,28 @@ MISSED_HEARTBEATS = 3
 """A worker silent for this many heartbeat intervals counts as gone."""
 
 
-def queue_name(target: str | Target, large: bool = False) -> str:
-    """``NPU.4000`` → ``compile.npu.4000``; ``CPU`` → ``compile.cpu``; ``.large`` for big models."""
+def toolchain_tag(part: Mapping[str, str]) -> str:
+    """``2026.4.1.1a2b3c4d``: the release, then 8 hex of the sha256 of the whole key part."""
+    digest = hashlib.sha256(canonical_json(dict(part))).hexdigest()[:8]
+    return f"{part['openvino']}.{digest}"
+
+
+def queue_name(target: str | Target, toolchain: Mapping[str, str], large: bool = False) -> str:
+    """``compile.npu.4000.2026.4.1.1a2b3c4d``; ``.large`` for big models. `toolchain`: the
+    toolchain's key part for the target (`Toolchain.key_part`, what `jobs.toolchain` holds)."""
     target = target if isinstance(target, Target) else Target.parse(target)
-    name = f"compile.{target.name.lower()}"
+    name = f"compile.{target.name.lower()}.{toolchain_tag(toolchain)}"
     return f"{name}.large" if large else name
 
 
-def worker_queues(compilable: list[str], memory_bytes: int, large_worker_bytes: int) -> list[str]:
-    """The queues a worker consumes: its targets', plus their `.large` ones if it has the memory."""
-    queues = [queue_name(t) for t in compilable]
+def worker_queues(
+    toolchains: Mapping[str, Mapping[str, str]], memory_bytes: int, large_worker_bytes: int
+) -> list[str]:
+    """The queues a worker consumes: for each target it compiles (target → its toolchain's key
+    part), the queue of that toolchain, plus the `.large` ones if it has the memory."""
+    queues = [queue_name(t, part) for t, part in toolchains.items()]
     if memory_bytes >= large_worker_bytes:
-        queues += [queue_name(t, large=True) for t in compilable]
+        queues += [queue_name(t, part, large=True) for t, part in toolchains.items()]
     return queues
 
 
@@ -78,4 +102,7 @@ def waiting_note(session: Session, job, heartbeat_seconds: int) -> str | None:
         return None
     if is_served(session, job.queue, heartbeat_seconds):
         return None
-    return f"no live worker serves {job.queue}; the job waits until one starts (farm workers)"
+    return (
+        f"no live worker has the toolchain {json.dumps(job.toolchain, sort_keys=True)} for "
+        f"{job.target} (queue {job.queue}); the job waits until one starts (farm workers)"
+    )

@@ -70,11 +70,19 @@ class ServedFarm:
     def farm_json(self, *args: str, **kwargs) -> dict:
         return json.loads(self.farm(*args, "--json", **kwargs).stdout)
 
-    def start_worker(self, name: str = "w1", env: dict | None = None, wait: bool = True, prefix=()):
-        """`prefix`: a command that execs the worker (so its pid is the worker's)."""
+    def start_worker(
+        self,
+        name: str = "w1",
+        env: dict | None = None,
+        wait: bool = True,
+        prefix=(),
+        python: str = sys.executable,
+    ):
+        """`prefix`: a command that execs the worker (so its pid is the worker's); `python`:
+        the interpreter (another virtualenv, another OpenVINO)."""
         with open(self.logs / f"{name}.log", "ab") as log:
             process = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "farm", "worker", "-n", name],
+                [*prefix, python, "-m", "farm", "worker", "-n", name],
                 env={**os.environ, **self.env, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -202,8 +210,20 @@ def submit_ref(farm, ref, spec, *, dispatcher=None, submitter=None):
     return submitted.results[0][1]
 
 
-def send(farm, job_id: int, queue: str = "compile.cpu") -> None:
-    """Send a job's message through the broker, as `submit_matrix` and the reconciler do."""
+def host_queue(device: str = "CPU", large: bool = False) -> str:
+    """The queue of a job for `device` submitted with this host's toolchain."""
+    from farm.core.spec import Target
+    from farm.server.routing import queue_name
+    from farm.toolchain import host_toolchain
+
+    target = Target.parse(device)
+    return queue_name(target, host_toolchain(target).key_part(target), large)
+
+
+def send(farm, job_id: int, queue: str | None = None) -> None:
+    """Send a job's message through the broker, as `submit_matrix` and the reconciler do; by
+    default to the queue of a CPU job of this host's toolchain."""
+    queue = queue or host_queue()
     from farm.server.jobs.dispatch import CeleryDispatcher, dispatch
 
     dispatcher = CeleryDispatcher(farm.settings)

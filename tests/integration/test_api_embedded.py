@@ -57,7 +57,7 @@ def test_embedded_api_compiles_and_streams_ranges(tmp_path):
         assert part.status_code == 206 and part.content == full.content[100:200]
 
         out = tmp_path / "pulled.blob"
-        farm(client_env, "pull", key, "-o", str(out))
+        farm(client_env, "pull", key, "-o", str(out), "--format", "cache-entry")
         assert out.read_bytes() == full.content
     finally:
         server.stop()

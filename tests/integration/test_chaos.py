@@ -174,7 +174,9 @@ def test_a_worker_pool_under_kills_and_restarts_loses_nothing(tmp_path, served_e
                     session.execute(select(Job.state, func.count()).group_by(Job.state)).all()
                 )
             tails = {name: farm.worker_log(name)[-3000:] for name in WORKERS}
-            raise AssertionError(f"jobs by state {states}; figures {figures}; logs {tails}")
+            raise AssertionError(
+                f"jobs by state {states}; figures {figures}; logs {tails}"
+            ) from None
         done.set()
         for thread in threads[len(SUBMITTERS) :]:
             thread.join(timeout=30)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import openvino as ov
 import pytest
 
 from tests import models
@@ -68,17 +70,27 @@ def test_submit_pull_run_and_a_second_submit_is_a_hit(farm_home, conv_xml, tmp_p
     assert second == {"outcome": "hit", "cache_key": key}
     assert row_count(farm_home, "jobs") == 1  # the hit compiled nothing
 
-    by_key = tmp_path / "by-key.blob"
+    by_key = tmp_path / "by-key.blob"  # the plain export_model() bytes
     pulled = farm_json(farm_home, "pull", key, "-o", str(by_key))
-    assert pulled["sha256"] and by_key.stat().st_size == pulled["size_bytes"]
+    assert pulled["sha256"] and pulled["output_format"] == "blob"
+    assert by_key.stat().st_size == pulled["size_bytes"] - pulled["payload_offset"]
+    # What every OpenVINO user does with a .blob opens it, no farm code needed.
+    plain = ov.Core().import_model(by_key.read_bytes(), "CPU")
+    assert [port.get_any_name() for port in plain.inputs] == ["x"]
+
+    entry = tmp_path / "entry.blob"  # OpenVINO's cache entry: its header, then those bytes
+    farm(farm_home, "pull", key, "-o", str(entry), "--format", "cache-entry")
+    assert hashlib.sha256(entry.read_bytes()).hexdigest() == pulled["sha256"]
+    assert entry.read_bytes()[pulled["payload_offset"] :] == by_key.read_bytes()
 
     by_model = tmp_path / "by-model.blob"
     farm(farm_home, "pull", str(conv_xml), "--device", "CPU", "-o", str(by_model))
     assert by_model.read_bytes() == by_key.read_bytes()
 
-    ran = farm_json(farm_home, "run", str(by_key), "--device", "CPU")
-    assert ran["outputs"] == {"output0": [1, 8]} or list(ran["outputs"].values()) == [[1, 8]]
-    assert ran["import_seconds"] > 0
+    for blob in (by_key, entry):  # `farm run` takes either form
+        ran = farm_json(farm_home, "run", str(blob), "--device", "CPU")
+        assert ran["outputs"] == {"output0": [1, 8]} or list(ran["outputs"].values()) == [[1, 8]]
+        assert ran["import_seconds"] > 0
 
     human = farm(farm_home, "run", str(by_key), "--device", "CPU").stdout
     assert "imported by-key.blob on CPU in" in human
@@ -168,7 +180,9 @@ def test_run_refuses_a_file_that_is_not_a_blob(farm_home, tmp_path):
     junk = tmp_path / "junk.blob"
     junk.write_bytes(b"\x00" * 64)
     result = farm(farm_home, "run", str(junk), "--device", "CPU", check=False)
-    assert result.returncode == 2 and "not an OpenVINO compiled blob" in result.stderr
+    assert result.returncode == 2
+    assert "neither an exported blob nor an OpenVINO cache entry" in result.stderr
+    assert result.stderr.count("\n") == 1  # one line, not OpenVINO's stack
 
 
 def test_jobs_since_filters_by_creation_time_in_utc(farm_home, conv_xml):
@@ -206,7 +220,7 @@ def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_tar
     import openvino as ov
 
     from farm.core.spec import KNOWN_TARGETS
-    from farm.toolchain import NPU_COMPILER_LIBRARY
+    from farm.toolchain import COMPILER_SOURCES, NPU_COMPILER_LIBRARY
 
     libs = Path(ov.__file__).parent / "libs"
     found = {
@@ -232,7 +246,12 @@ def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_tar
     assert checks["openvino"] == {"check": "openvino", "ok": True, "detail": ov.get_version()}
     for library, present in found.items():
         assert checks[library]["ok"] is present
-        assert checks[library]["detail"] == (str(libs / library) if present else "missing")
+        if present:
+            assert checks[library]["detail"] == str(libs / library)
+        elif library == NPU_COMPILER_LIBRARY:  # where the compiler comes from, and where it goes
+            assert checks[library]["detail"] == "missing: " + COMPILER_SOURCES.format(libs=libs)
+        else:
+            assert checks[library]["detail"] == "missing"
     assert {f"compile {t}" for t in KNOWN_TARGETS} <= set(checks)
     assert checks["compile CPU"] == {"check": "compile CPU", "ok": True, "detail": "compiles here"}
     for target in KNOWN_TARGETS:

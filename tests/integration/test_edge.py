@@ -126,7 +126,8 @@ def test_a_cut_connection_is_resumed_with_a_range_request(tmp_path):
             "FARM_TOKEN": token,
             "FARM_CACHE_DIR": str(tmp_path / "edge-cache"),
         }
-        pulled = ok_json(edge, "pull", key, "-o", str(tmp_path / "out.blob"))
+        out = str(tmp_path / "out.blob")
+        pulled = ok_json(edge, "pull", key, "-o", out, "--format", "cache-entry")
     finally:
         proxy.cut()
         api.stop()
@@ -161,12 +162,30 @@ def test_an_incompatible_toolchain_is_refused_before_any_download(edge_farm):
     toolchain["runtime_requirements"] = "meta=1.0;ov=2026.4.1;isa=Intel AMX"
     with sqlite3.connect(edge_farm.home / "farm.db") as connection:
         connection.execute("UPDATE blobs SET toolchain = ?", (json.dumps(toolchain),))
+    tampered = run_farm(edge_farm.edge_env(), "pull", edge_farm.key)
+    assert tampered.returncode == 5 and "invalid signature" in tampered.stderr  # it is signed
+    resign_manifest(edge_farm)  # a blob the farm's key really signed for another CPU
 
     result = run_farm(edge_farm.edge_env(), "pull", edge_farm.key)
     assert result.returncode == 4
     assert "isa=Intel AMX" in result.stderr and "nothing was downloaded" in result.stderr
     assert edge_farm.api.requests_logged("/download") == 0
     assert list(edge_farm.blob_cache.glob("*.blob")) == []
+
+
+def resign_manifest(edge_farm: EdgeFarm) -> None:
+    """Sign the blob rows' manifests as they are now with the farm's key (as a worker would)."""
+    from sqlalchemy import select
+
+    from farm.server.blobs.signatures import sign_row
+    from farm.server.db.models import Blob
+
+    farm = FarmContext.open(Settings(home=edge_farm.home))
+    with farm.session() as session:
+        for blob in session.scalars(select(Blob)):
+            sign_row(blob, farm.signer)
+        session.commit()
+    farm.sessions.kw["bind"].dispose()
 
 
 def test_weightless_round_trip_checks_the_bin_before_import(edge_farm, tmp_path):

@@ -298,7 +298,8 @@ def test_s3_unreachable_during_an_edge_download(tmp_path, served_env):
         data = Path(result["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == blob.sha256
         files = {p.relative_to(cache) for p in cache.rglob("*") if p.is_file()}
-        assert files == {Path("blobs") / f"{blob.cache_key}.blob"}
+        kept_files = {f"{blob.cache_key}.blob", f"{blob.cache_key}.manifest"}  # + its manifest
+        assert files == {Path("blobs") / name for name in kept_files}
         # One pull, reported once.
         assert census(farm) == holding(
             jobs=1, blobs=1, models=1, pulls=1, model_objects=2, blob_objects=1

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from farm.server.db.models import Job
 from tests import models
 from tests.integration.admin_farm import farm_cli, pull_and_report
+from tests.integration.served import host_queue
 
 
 def scrape(api, role: str | None = "pull") -> dict[tuple[str, tuple], float]:
@@ -37,7 +38,7 @@ def test_metrics_follow_a_job_from_queue_to_pull_to_gc(served, api, tmp_path):
     key = submitted["cache_key"]
 
     queued = scrape(api)
-    assert queued[("farm_queue_depth", (("queue", "compile.cpu"), ("target", "CPU")))] == 1
+    assert queued[("farm_queue_depth", (("queue", host_queue()), ("target", "CPU")))] == 1
     assert queued[("farm_jobs", (("state", "queued"), ("target", "CPU")))] == 1
     assert queued[("farm_jobs", (("state", "succeeded"), ("target", "CPU")))] == 0
     assert queued[("farm_workers_live", ())] == 0
@@ -49,7 +50,7 @@ def test_metrics_follow_a_job_from_queue_to_pull_to_gc(served, api, tmp_path):
 
     done = scrape(api)
     cpu = (("target", "CPU"),)
-    assert ("farm_queue_depth", (("queue", "compile.cpu"), ("target", "CPU"))) not in done
+    assert ("farm_queue_depth", (("queue", host_queue()), ("target", "CPU"))) not in done
     assert done[("farm_jobs", (("state", "succeeded"), ("target", "CPU")))] == 1
     assert done[("farm_compile_seconds_count", cpu)] == 1
     assert done[("farm_compile_seconds_sum", cpu)] == job.compile_seconds

@@ -8,12 +8,13 @@ import pytest
 from sqlalchemy import select
 
 from farm.core.identity import ModelRef
-from farm.core.spec import CompileSpec
+from farm.core.spec import CompileSpec, Target
 from farm.server.db.models import Blob, Job
 from farm.server.jobs import service
+from farm.toolchain import host_toolchain, openvino_release
 from tests import models
+from tests.integration.served import host_queue, submit_ref, wait_until
 from tests.integration.served import send as send_job
-from tests.integration.served import submit_ref, wait_until
 
 
 @pytest.fixture
@@ -39,12 +40,14 @@ def test_a_real_worker_compiles_a_cpu_job_end_to_end(served, conv_xml, tmp_path)
     served.start_worker("w1")
     listed = served.farm_json("workers")
     assert [w["name"] for w in listed] == ["w1"]
-    assert listed[0]["queues"][0] == "compile.cpu" and "control" in listed[0]["queues"]
+    assert listed[0]["queues"][0] == host_queue() and "control" in listed[0]["queues"]
+    cpu = Target.parse("CPU")
+    assert listed[0]["toolchains"]["CPU"] == host_toolchain(cpu).key_part(cpu)
 
     result = served.farm_json("submit", str(conv_xml), "-d", "CPU", "--wait")
     assert result["outcome"] == "queued"
     job = result["job"]
-    assert job["state"] == "succeeded" and job["worker"] == "w1" and job["queue"] == "compile.cpu"
+    assert job["state"] == "succeeded" and job["worker"] == "w1" and job["queue"] == host_queue()
 
     (blob,) = served.blobs()
     assert blob.cache_key == result["cache_key"]
@@ -167,7 +170,7 @@ def test_big_models_go_to_the_large_queue(served, conv_xml):
     result = served.farm_json(
         "submit", str(conv_xml), "-d", "CPU", "--wait", env={"FARM_LARGE_MODEL_BYTES": "1"}
     )
-    assert result["job"]["queue"] == "compile.cpu.large"
+    assert result["job"]["queue"] == host_queue(large=True)
     assert result["job"]["state"] == "succeeded"
 
 
@@ -175,10 +178,13 @@ def test_a_target_nobody_serves_says_so(served, conv_xml):
     served.start_worker("w1")
     result = served.farm_json("submit", str(conv_xml), "-d", "4000", "--tiles", "2")
     assert result["job"]["state"] == "queued"
-    assert result["job"]["queue"] == "compile.npu.4000"
-    assert "no live worker serves compile.npu.4000" in result["note"]
+    assert result["job"]["queue"] == host_queue("4000")
+    assert result["note"] == (
+        f'no live worker has the toolchain {{"openvino": "{openvino_release()}"}} for NPU.4000 '
+        f"(queue {host_queue('4000')}); the job waits until one starts (farm workers)"
+    )
     status = served.farm_json("status", str(result["job"]["id"]))
-    assert "no live worker serves" in status["note"]
+    assert status["note"] == result["note"]
 
 
 def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):
@@ -228,7 +234,7 @@ def test_a_job_queued_past_the_maximum_wait_fails_through_farm_reconcile(served,
     assert report["failed"] == [submission.job_id] and report["resent"] == []
     job = served.job(submission.job_id)
     assert job.state == "failed" and job.attempts == 0 and job.finished_at is not None
-    assert "waited in queue compile.cpu longer than 0 s" in job.error
+    assert f"waited in queue {host_queue()} longer than 0 s" in job.error
 
 
 def test_infrastructure_errors_count_as_attempts_then_fail_the_job(served, conv_xml, s3_url):

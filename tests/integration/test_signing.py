@@ -1,6 +1,7 @@
-"""Signed blobs: workers sign (cache key, sha256) with Ed25519; edges refuse a blob that is
-unsigned, signed by a key they do not trust, or whose signature belongs to other bytes; keys
-rotate by trusting several; `farm keys` creates and shows them."""
+"""Signed blobs: workers sign each blob's manifest (and, for older edges, (cache key, sha256))
+with Ed25519; edges refuse a blob that is unsigned, signed by a key they do not trust, whose
+signature belongs to another manifest, or that carries only a v1 signature; keys rotate by
+trusting several; `farm keys` creates and shows them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from farm.core.signing import SignatureError, Signer, TrustedKeys, create_key_pair
+from farm.core.signing import Manifest, SignatureError, Signer, TrustedKeys, create_key_pair
 from tests.integration.test_edge import edge_farm, ok_json, run_farm  # noqa: F401
 
 KEY, SHA = "a" * 64, "b" * 64
@@ -46,20 +47,31 @@ def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noq
     refused = run_farm(untrusting, "pull", edge_farm.key)
     assert refused.returncode == 5 and "does not trust" in refused.stderr
 
-    (signature, key_id), *_ = edge_farm.sql("SELECT signature, signing_key_id FROM blobs")
-    set_blob(edge_farm, signature=None, signing_key_id=None)
+    (signature, manifest_signature, key_id), *_ = edge_farm.sql(
+        "SELECT signature, manifest_signature, signing_key_id FROM blobs"
+    )
+    set_blob(edge_farm, signature=None, manifest_signature=None, signing_key_id=None)
     unsigned = run_farm(env, "pull", edge_farm.key)
     assert unsigned.returncode == 5 and "not signed" in unsigned.stderr
     allowed = ok_json({**env, "FARM_ALLOW_UNSIGNED": "1"}, "pull", edge_farm.key)
     assert allowed["downloaded"] is True
 
-    other = Signer.from_file(edge_farm.home / "keys" / "signing.pem").sign("c" * 64, "d" * 64)
-    set_blob(edge_farm, signature=other, signing_key_id=key_id)
+    # A genuine signature of the trusted key, over another manifest.
+    other = Manifest(KEY, SHA, 1, 0, "CPU", {"openvino": "2026.4.1"}, False, {"onnx": SHA})
+    forgery = Signer.from_file(edge_farm.home / "keys" / "signing.pem").sign_manifest(other)
+    set_blob(edge_farm, signature=signature, manifest_signature=forgery, signing_key_id=key_id)
     forged = run_farm(env, "pull", edge_farm.key)
     assert forged.returncode == 5 and "invalid signature" in forged.stderr
-    set_blob(edge_farm, signature=signature, signing_key_id=key_id)
+    # Only the v1 signature (a record stripped of its manifest signature): never accepted.
+    set_blob(edge_farm, signature=signature, manifest_signature=None, signing_key_id=key_id)
+    v1_only = run_farm(env, "pull", edge_farm.key)
+    assert v1_only.returncode == 5 and "only a v1 signature" in v1_only.stderr
+    assert "farm keys resign" in v1_only.stderr
+    set_blob(
+        edge_farm, signature=signature, manifest_signature=manifest_signature, signing_key_id=key_id
+    )
     assert ok_json(env, "pull", edge_farm.key)["signing_key_id"] == key_id
-    for result in (refused, unsigned, forged):
+    for result in (refused, unsigned, forged, v1_only):
         assert "Traceback" not in result.stderr
 
 

@@ -13,13 +13,14 @@ from sqlalchemy import select
 from farm.core.clock import now
 from farm.core.errors import CompilerUnavailable, ModelMissing
 from farm.core.identity import ModelInfo, ModelRef, key_for
-from farm.core.spec import CompileSpec, Target
+from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.context import FarmContext
 from farm.server.db.models import Job, Model
 from farm.server.jobs import service
 from farm.server.jobs.dispatch import StubDispatcher
 from farm.server.jobs.runner import claim
 from farm.server.jobs.service import MatrixSubmission, Submission
+from farm.server.routing import queue_name
 from farm.server.storage import model_storage_key
 from tests.unit.conftest import (
     CPU,
@@ -346,11 +347,12 @@ def test_embedded_jobs_go_to_the_embedded_queue_whatever_their_size(embedded_far
 @pytest.mark.parametrize(
     ("spec", "size", "queue"),
     [
-        (CPU, 10, "compile.cpu"),
-        (CPU, 2 * GiB, "compile.cpu"),  # at the limit: not large
-        (CPU, 2 * GiB + 1, "compile.cpu.large"),
-        (NPU, 10, "compile.npu.4000"),
-        (NPU, 2 * GiB + 1, "compile.npu.4000.large"),
+        (CPU, 10, queue_name("CPU", TOOLCHAIN.key_part(CPU.target))),
+        # at the limit: not large
+        (CPU, 2 * GiB, queue_name("CPU", TOOLCHAIN.key_part(CPU.target))),
+        (CPU, 2 * GiB + 1, queue_name("CPU", TOOLCHAIN.key_part(CPU.target), large=True)),
+        (NPU, 10, queue_name("4000", TOOLCHAIN.key_part(NPU.target))),
+        (NPU, 2 * GiB + 1, queue_name("4000", TOOLCHAIN.key_part(NPU.target), large=True)),
     ],
 )
 def test_served_jobs_go_to_their_targets_queue_and_large_models_to_large(
@@ -365,8 +367,19 @@ def test_served_jobs_go_to_their_targets_queue_and_large_models_to_large(
 
 def test_route_follows_the_settings_limit(served_farm):
     settings = served_farm.settings.model_copy(update={"large_model_bytes": 100})
-    assert service.route(settings, Target.parse("CPU"), 100) == "compile.cpu"
-    assert service.route(settings, Target.parse("CPU"), 101) == "compile.cpu.large"
+    cpu = Target.parse("CPU")
+    part = TOOLCHAIN.key_part(cpu)
+    assert service.route(settings, cpu, 100, TOOLCHAIN) == queue_name(cpu, part)
+    assert service.route(settings, cpu, 101, TOOLCHAIN) == queue_name(cpu, part, large=True)
+
+
+def test_a_toolchain_is_routed_to_its_own_queue(served_farm):
+    cpu = Target.parse("CPU")
+    other = Toolchain("2025.4.1", runtime_requirements="ov=2025.4.1")
+    assert service.route(served_farm.settings, cpu, 1, TOOLCHAIN) != service.route(
+        served_farm.settings, cpu, 1, other
+    )
+    assert service.route(served_farm.settings, cpu, 1, other).startswith("compile.cpu.2025.4.1.")
 
 
 def test_max_attempts_from_the_settings_lands_on_the_row(tmp_path, monkeypatch, ref):
@@ -400,7 +413,15 @@ def fake_probe(target: Target) -> str | None:
 
 def test_refusing_one_spec_of_a_matrix_stores_no_job(embedded_farm, stub, ref, monkeypatch):
     monkeypatch.setattr(service.host, "unavailable_reason", fake_probe)
+    monkeypatch.setattr(service.host, "host_toolchain", lambda target: TOOLCHAIN)
     with pytest.raises(CompilerUnavailable, match=r"^cannot compile for NPU\.4000: no compiler$"):
         submit(embedded_farm, stub, ref, [CPU, NPU], refuse_uncompilable=True)
     assert stub.sent == []
     assert job_ids(embedded_farm) == []
+
+
+def test_the_embedded_farm_refuses_a_toolchain_it_does_not_have(embedded_farm, stub, ref):
+    """It would compile with its own toolchain and record the blob under another's key."""
+    with pytest.raises(CompilerUnavailable, match=r"the submission asks for .*'x'.*--toolchain"):
+        submit(embedded_farm, stub, ref, [CPU], refuse_uncompilable=True)
+    assert stub.sent == [] and job_ids(embedded_farm) == []

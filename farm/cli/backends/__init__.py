@@ -65,8 +65,15 @@ class Backend(Protocol):
 
     def workers(self) -> list[dict[str, Any]]: ...
 
-    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> Any:
-        """Append the stored blob to `dest` (the edge agent verifies it)."""
+    def download(
+        self,
+        cache_key: str,
+        dest: Path,
+        progress: Advance | None = None,
+        max_bytes: int | None = None,
+    ) -> Any:
+        """Append the stored blob to `dest`, no longer than `max_bytes` (the edge agent
+        verifies it)."""
         ...
 
     def report_pull(

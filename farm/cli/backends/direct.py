@@ -20,11 +20,12 @@ from farm import toolchain
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.checks import Check
 from farm.core.config import Settings
-from farm.core.errors import NotFound
+from farm.core.errors import KeyFileError, NotFound
 from farm.core.identity import ModelRef
+from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
-from farm.server.blobs import gc
+from farm.server.blobs import gc, resign
 from farm.server.blobs import service as blobs
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
@@ -150,8 +151,15 @@ class Direct:
 
         return _pages(page, limit)
 
-    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> None:
-        """Copy the stored blob to `dest` (the edge agent verifies it)."""
+    def download(
+        self,
+        cache_key: str,
+        dest: Path,
+        progress: Advance | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Copy the stored blob to `dest` (the edge agent verifies it, its size included: the
+        farm's own store is copied whole, `max_bytes` is checked after)."""
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
             if blob is None:
@@ -190,7 +198,17 @@ class Direct:
 
     def collect_garbage(self, unpulled_days: int, dry_run: bool) -> gc.GcReport:
         with self._session() as session:
-            return gc.collect(session, self.farm.store, unpulled_days, dry_run)
+            grace = self.farm.settings.model_grace_seconds
+            return gc.collect(session, self.farm.store, unpulled_days, dry_run, grace)
+
+    def resign_blobs(self, accept_unverified: bool) -> resign.ResignReport:
+        """`farm keys resign`: every blob's manifest signed with this host's FARM_SIGNING_KEY,
+        old signatures checked against FARM_TRUSTED_KEYS (farm/server/blobs/resign.py)."""
+        signer = self.farm.signer
+        if signer is None:
+            raise KeyFileError("farm keys resign signs with the farm's key: set FARM_SIGNING_KEY")
+        trusted = TrustedKeys.from_files(self.farm.settings.trusted_key_paths)
+        return resign.resign(self.farm.session, self.farm.store, signer, trusted, accept_unverified)
 
     def create_token(self, name: str, role: str, expires_at: datetime | None) -> str:
         with self._session() as session:
@@ -253,10 +271,20 @@ def run_worker(settings: Settings, **options: Any) -> None:
     start(settings, **options)
 
 
-def serve_api(host: str, port: int, processes: int) -> None:
-    """Serve the HTTP API with uvicorn (the app is built in each worker process)."""
-    import uvicorn  # only `farm api` needs the server
+def serve_api(host: str, port: int, processes: int, settings: Settings) -> None:
+    """Serve the HTTP API with uvicorn (the app is built in each worker process), with
+    deadlines for slow clients: request heads (`HeadTimeoutProtocol`), idle keep-alive
+    connections here, and bodies in the app (`BodyLimit`). farm's own log lines go where
+    uvicorn's go, in its format."""
+    import copy
 
+    import uvicorn  # only `farm api` needs the server
+    from uvicorn.config import LOGGING_CONFIG
+
+    from farm.server.api.timeouts import HeadTimeoutProtocol
+
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["loggers"]["farm"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     uvicorn.run(
         "farm.server.api.main:app",
         host=host,
@@ -264,4 +292,7 @@ def serve_api(host: str, port: int, processes: int) -> None:
         workers=processes,
         proxy_headers=True,
         log_level="info",
+        log_config=log_config,
+        http=HeadTimeoutProtocol,
+        timeout_keep_alive=settings.api_keep_alive_seconds,
     )

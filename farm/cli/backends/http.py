@@ -58,8 +58,14 @@ class Http:
     def workers(self) -> list[dict[str, Any]]:
         return self.client.workers()
 
-    def download(self, cache_key: str, dest: Path, progress: Advance | None = None) -> Any:
-        return self.client.download(cache_key, dest, progress)
+    def download(
+        self,
+        cache_key: str,
+        dest: Path,
+        progress: Advance | None = None,
+        max_bytes: int | None = None,
+    ) -> Any:
+        return self.client.download(cache_key, dest, progress, max_bytes)
 
     def report_pull(
         self,

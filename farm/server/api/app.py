@@ -12,12 +12,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from farm.core.config import Settings, get_settings
+from farm.core.logs import redact_logs
 from farm.server.api import dashboard, metrics
 from farm.server.api.errors import install_error_handlers
 from farm.server.api.limits import BodyLimit
 from farm.server.api.routes import ROUTERS
 from farm.server.api.schemas import Error
 from farm.server.context import FarmContext
+from farm.server.readiness import Readiness
 
 
 class RateLimiter:
@@ -45,6 +47,8 @@ class RateLimiter:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    # Drivers' errors may quote their URLs: no log line of this process shows a password.
+    redact_logs(settings.secrets)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,7 +56,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Without a broker, this process is the farm's only worker: jobs run on a thread of
         # its own, after the request that created them has been answered.
         app.state.dispatcher = app.state.farm.dispatcher(background=True)
+        app.state.readiness = Readiness(app.state.farm, settings.readyz_cache_seconds)
         yield
+        app.state.readiness.close()
         app.state.dispatcher.close()
 
     app = FastAPI(
@@ -63,7 +69,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         responses={401: {"model": Error}, 422: {"model": Error}},
     )
     app.state.limiter = RateLimiter(settings.api_requests_per_minute)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_request_bytes,
+        body_timeout_seconds=settings.api_body_timeout_seconds,
+    )
     install_error_handlers(app)
     for router in (*ROUTERS, metrics.router, dashboard.router):
         app.include_router(router)

@@ -35,6 +35,7 @@ HTTP_STATUS: dict[Kind, int] = {
     Kind.FORBIDDEN: 403,
     Kind.RATE_LIMITED: 429,
     Kind.JOB_FAILED: 409,
+    Kind.GAVE_UP: 504,
 }
 """The HTTP status of each kind of error: the API's one table."""
 
@@ -74,7 +75,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if status >= 500 and not isinstance(error, ApiError):
             log.warning("%s: %s", error.code, message)
             message = _PUBLIC_MESSAGES.get(error.code, _PUBLIC_DEFAULT)
-        return error_response(status, error.code, message, error.details)
+        response = error_response(status, error.code, message, error.details)
+        response.headers.update(getattr(error, "headers", {}))  # an error's own, if any
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -1,64 +1,129 @@
-"""A cap on request bodies: every route but the model upload (which has its own, larger limit
-and streams) takes at most `max_bytes`. Pure ASGI, so a chunked body without Content-Length
-is counted as it arrives and never buffered past the cap."""
+"""Caps on request bodies, in size and in time.
+
+Size: every route but the model upload (which has its own, larger limit and streams) takes at
+most `max_bytes`. Pure ASGI, so a chunked body without Content-Length is counted as it arrives
+and never buffered past the cap.
+
+Time: a client that stops sending its body holds a connection and a task for as long as it
+likes, and a few hundred such clients hold the server. Each wait for the next piece of a body
+is capped at `body_timeout_seconds`; a body of any route but the upload (at most `max_bytes`)
+must also arrive whole within that long, so a client cannot drip it a byte at a time. Past
+either, the client is answered 408 and the connection closed. (A request head that never
+completes is cut off before the application sees it: `farm.server.api.timeouts`.)
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 UPLOAD_PATH = re.compile(r"^/v1/models/[^/]+$")
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, body_timeout_seconds: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_seconds = body_timeout_seconds
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or (
-            scope["method"] == "PUT" and UPLOAD_PATH.match(scope["path"])
-        ):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
-        received, refused = 0, False
+        upload = scope["method"] == "PUT" and UPLOAD_PATH.match(scope["path"]) is not None
+        exchange = _Exchange(send)
+        if not upload:
+            declared = dict(scope["headers"]).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+                return await self._refuse(exchange)
+        timed = self._timed(receive, exchange, whole_body=not upload)
+        if upload:
+            return await self.app(scope, timed, exchange.send)
+        received = 0
 
         async def counting_receive():
             # FastAPI turns any error raised while reading a body into a 400, so the refusal
             # is sent from here and the application sees the client go away.
-            nonlocal received, refused
-            message = await receive()
-            if message["type"] == "http.request" and not refused:
+            nonlocal received
+            message = await timed()
+            if message["type"] == "http.request" and not exchange.answered:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    refused = True
-                    await self._refuse(send)
+                    await self._refuse(exchange)
                     return {"type": "http.disconnect"}
             return message
 
-        async def guarded_send(message) -> None:
-            if not refused:
-                await send(message)
+        await self.app(scope, counting_receive, exchange.send)
 
-        await self.app(scope, counting_receive, guarded_send)
+    def _timed(self, receive, exchange: _Exchange, *, whole_body: bool):
+        """`receive` that answers 408 and reports a disconnect when the client is too slow
+        with its body. Once the body is complete, `receive` waits untimed: a response that
+        streams for minutes listens on it for the client leaving."""
+        limit = self.body_timeout_seconds
+        if not limit:
+            return receive
+        deadline = time.monotonic() + limit if whole_body else None
+        body_done = False
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps(
-            {
-                "code": "too_large",
-                "message": f"request body over {self.max_bytes} bytes (FARM_MAX_REQUEST_BYTES)",
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
+        async def timed_receive():
+            nonlocal body_done
+            if exchange.answered:
+                return {"type": "http.disconnect"}
+            if body_done:
+                return await receive()
+            wait = limit if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_done = True
+                return message
+            except TimeoutError:
+                await exchange.answer(
+                    408,
+                    "request_timeout",
+                    f"the request body did not arrive within {limit:g} s "
+                    "(FARM_API_BODY_TIMEOUT_SECONDS)",
+                    close=True,
+                )
+                return {"type": "http.disconnect"}
+
+        return timed_receive
+
+    async def _refuse(self, exchange: _Exchange) -> None:
+        await exchange.answer(
+            413, "too_large", f"request body over {self.max_bytes} bytes (FARM_MAX_REQUEST_BYTES)"
         )
-        await send({"type": "http.response.body", "body": body})
+
+
+class _Exchange:
+    """One request's answer: the application's, or one this middleware sends in its place
+    (after which whatever the application sends is dropped: it was told the client left)."""
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self.started = False
+        self.answered = False
+
+    async def send(self, message) -> None:
+        if self.answered:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+    async def answer(self, status: int, code: str, message: str, *, close: bool = False) -> None:
+        """A JSON error answer, unless the application already began its own; with `close`,
+        the connection closes after it (the client is not sending the rest of its body)."""
+        if self.answered or self.started:
+            return
+        self.answered = True
+        body = json.dumps({"code": code, "message": message}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        if close:
+            headers.append((b"connection", b"close"))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})

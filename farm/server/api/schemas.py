@@ -97,6 +97,7 @@ class JobOut(BaseModel):
     id: int
     cache_key: str
     target: str
+    toolchain: dict[str, Any] = Field(description="The toolchain it compiles for (its key part).")
     state: str
     queue: str
     worker: str | None
@@ -139,8 +140,12 @@ class BlobOut(BaseModel):
     payload_offset: int
     weightless: bool
     signature: str | None
-    """Ed25519 signature (base64) of (cache_key, sha256); edges check it (farm/signing.py)."""
+    """v1: Ed25519 signature (base64) of (cache_key, sha256), for edges older than manifests."""
     signing_key_id: str | None
+    """Which key signed both signatures: sha256 of its raw public key, 16 hex characters."""
+    manifest_signature: str | None
+    """Ed25519 signature (base64) of the manifest of every field above an edge acts on
+    (farm/core/signing.py `Manifest`); edges check it before acting on any of them."""
     spec: dict[str, Any]
     compile_seconds: float | None
     export_seconds: float | None
@@ -160,6 +165,9 @@ class WorkerOut(BaseModel):
     live: bool
     queues: list[str]
     targets: dict[str, Any]
+    toolchains: dict[str, Any] | None = Field(
+        None, description="Target → the toolchain it compiles with (what its queues serve)."
+    )
     openvino: str
     memory_bytes: int
     heartbeat_at: datetime

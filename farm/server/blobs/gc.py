@@ -1,4 +1,5 @@
-"""`farm gc`: delete blobs no edge has pulled for N days, from the database and from storage.
+"""`farm gc`: delete blobs no edge has pulled for N days, from the database and from storage,
+and model files no job names.
 
 The order is what keeps readers safe. A blob is visible only through its row, so the row goes
 first: in one transaction the blob row and its pulls are deleted and a `blob_deletions` row in
@@ -10,6 +11,14 @@ Note: a cache key can come back while its object waits for deletion (someone sub
 model again). The object is then kept ('kept') when a blob row or an active job for the key
 exists at the moment of deletion. A job created and uploaded in the few milliseconds between
 that check and the delete could lose its object; compiling takes far longer than that window.
+
+Model files are content-addressed objects (`models/<sha256>`) that a submit uploads before it
+creates its job; a submit whose job is never created (refused, abandoned) leaves them behind.
+gc deletes those no `models` row names (every row belongs to a job) once they are older than a
+grace period (`FARM_MODEL_GRACE_SECONDS`, a day), so a model uploaded but not yet submitted
+survives; an upload still in progress is no object yet. A submit that finds the file present and
+registers its model in the milliseconds between gc's last look and its delete would lose it:
+its job fails, and the next submit uploads the file again.
 """
 
 from __future__ import annotations
@@ -23,8 +32,14 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.vocabulary import ACTIVE_STATES
-from farm.server.db.models import Blob, BlobDeletion, Job, Pull
-from farm.server.storage import BlobStore, StorageError
+from farm.server.db.models import Blob, BlobDeletion, Job, Model, Pull
+from farm.server.storage import BlobStore, ListsObjects, StorageError, model_storage_key
+
+MODEL_GRACE_SECONDS = 24 * 3600
+"""How old an unreferenced model file must be before gc deletes it (FARM_MODEL_GRACE_SECONDS)."""
+RECHECK_MARGIN = timedelta(minutes=10)
+"""Before each delete, models registered since gc began looking (less this, for clocks of other
+hosts) are read again."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,15 @@ class Candidate:
     pulls: int
 
 
+@dataclass(frozen=True)
+class ModelFileCandidate:
+    """A model file that no job names: gc deletes it (or, in a dry run, would)."""
+
+    sha256: str
+    size_bytes: int
+    stored_at: datetime
+
+
 @dataclass
 class GcReport:
     unpulled_days: int
@@ -50,13 +74,21 @@ class GcReport:
     pending: list[str] = field(default_factory=list)
     """Cache keys whose objects are still in storage (a failed delete; the next gc retries)."""
     errors: list[str] = field(default_factory=list)
+    model_grace_seconds: int = MODEL_GRACE_SECONDS
+    models: list[ModelFileCandidate] = field(default_factory=list)
+    """Model files no job names, older than the grace period, deleted in this run (in a dry run:
+    that would be)."""
 
     @property
     def bytes(self) -> int:
         return sum(blob.size_bytes for blob in self.blobs)
 
+    @property
+    def model_bytes(self) -> int:
+        return sum(model.size_bytes for model in self.models)
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "bytes": self.bytes}
+        return {**asdict(self), "bytes": self.bytes, "model_bytes": self.model_bytes}
 
 
 def candidates(session: Session, unpulled_days: int, at: datetime | None = None) -> list[Candidate]:
@@ -87,15 +119,47 @@ def candidates(session: Session, unpulled_days: int, at: datetime | None = None)
     ]
 
 
+def unreferenced_model_files(
+    session: Session, store: BlobStore, grace_seconds: int, at: datetime | None = None
+) -> list[ModelFileCandidate]:
+    """Model files in the store that no model row names, stored `grace_seconds` or more ago
+    (none when the store cannot list its objects)."""
+    if not isinstance(store, ListsObjects):
+        return []
+    cutoff = (at or now()) - timedelta(seconds=grace_seconds)
+    named = _named_model_files(session)
+    found = []
+    for key, size, stored_at in store.list_objects("models/"):
+        sha256 = key.removeprefix("models/")
+        if sha256 not in named and stored_at <= cutoff:
+            found.append(ModelFileCandidate(sha256, size, stored_at))
+    return found
+
+
+def _named_model_files(session: Session, since: datetime | None = None) -> set[str]:
+    query = select(Model.files)
+    if since is not None:
+        query = query.where(Model.created_at >= since)
+    return {sha256 for files in session.scalars(query) for sha256 in files.values()}
+
+
 def collect(
-    session: Session, store: BlobStore, unpulled_days: int, dry_run: bool = False
+    session: Session,
+    store: BlobStore,
+    unpulled_days: int,
+    dry_run: bool = False,
+    model_grace_seconds: int = MODEL_GRACE_SECONDS,
 ) -> GcReport:
-    """Finish deletions a previous run left pending, then delete the blobs unpulled that long."""
+    """Finish deletions a previous run left pending, then delete the blobs unpulled that long,
+    and the model files no job names that are older than `model_grace_seconds`."""
+    began = now()
     report = GcReport(unpulled_days, dry_run, candidates(session, unpulled_days))
+    report.model_grace_seconds = model_grace_seconds
     if dry_run:
         report.pending = list(
             session.scalars(select(BlobDeletion.cache_key).where(BlobDeletion.state == "pending"))
         )
+        report.models = _model_files_or_error(session, store, model_grace_seconds, began, report)
         return report
     report.blobs = [c for c in report.blobs if _remove_row(session, c, unpulled_days)]
     pending = session.scalars(
@@ -103,7 +167,38 @@ def collect(
     )
     for record in list(pending):
         _delete_object(session, store, record, report)
+    for model in _model_files_or_error(session, store, model_grace_seconds, began, report):
+        _delete_model_file(session, store, model, began, report)
     return report
+
+
+def _model_files_or_error(
+    session: Session, store: BlobStore, grace_seconds: int, at: datetime, report: GcReport
+) -> list[ModelFileCandidate]:
+    """`unreferenced_model_files`; a store that cannot list them is one more error."""
+    try:
+        return unreferenced_model_files(session, store, grace_seconds, at)
+    except StorageError as error:
+        report.errors.append(str(error))
+        return []
+
+
+def _delete_model_file(
+    session: Session,
+    store: BlobStore,
+    model: ModelFileCandidate,
+    began: datetime,
+    report: GcReport,
+) -> None:
+    session.rollback()  # a fresh look: what was committed since
+    if model.sha256 in _named_model_files(session, since=began - RECHECK_MARGIN):
+        return  # a job named it since gc listed it
+    try:
+        store.delete(model_storage_key(model.sha256))
+    except StorageError as error:
+        report.errors.append(str(error))
+        return
+    report.models.append(model)
 
 
 def _remove_row(session: Session, candidate: Candidate, unpulled_days: int) -> bool:

@@ -203,7 +203,8 @@ class Blob(Base):
         *sha256_checks("sha256"),
         {
             "comment": "A compiled blob in storage. Inserted once, after its upload is verified; "
-            "never updated; deleted only by `farm gc` (recorded in blob_deletions)."
+            "only its signature columns are updated, by `farm keys resign`; deleted only by "
+            "`farm gc` (recorded in blob_deletions)."
         },
     )
 
@@ -239,11 +240,19 @@ class Blob(Base):
     created_at: Mapped[datetime] = mapped_column(comment="Recorded, UTC.")
     signature: Mapped[str | None] = mapped_column(
         Text,
-        comment="Ed25519 signature (base64) of (cache_key, sha256) by the worker; null: unsigned.",
+        comment="Ed25519 signature (base64) of (cache_key, sha256) by signing_key_id (v1, for "
+        "edges older than manifest signatures); null: unsigned.",
     )
     signing_key_id: Mapped[str | None] = mapped_column(
         String(16),
         comment="Which key signed it: sha256 of the raw public key, 16 hex characters.",
+    )
+    manifest_signature: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Ed25519 signature (base64) by signing_key_id of the blob's manifest: cache_key, "
+        "sha256, size_bytes, payload_offset, target, toolchain, weightless and the model's file "
+        "digests (farm/core/signing.py); edges check it. Null: unsigned, or signed before "
+        "manifests (run `farm keys resign`).",
     )
 
     model: Mapped[Model] = relationship(lazy="joined")
@@ -291,6 +300,11 @@ class Worker(Base):
         comment="Target → null if it compiles here, else why not (the start-up probe)."
     )
     queues: Mapped[list[str]] = mapped_column(JSON, comment="Queues it consumes.")
+    toolchains: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON,
+        comment="Target → the toolchain key part it compiles with (OpenVINO release; CPU: "
+        "also the runtime requirements); its queues follow from it.",
+    )
     openvino_version: Mapped[str] = mapped_column(String(64), comment="OpenVINO full build.")
     memory_bytes: Mapped[int] = mapped_column(BigInteger, comment="Memory it offers, bytes.")
     started_at: Mapped[datetime] = mapped_column(comment="Started, UTC.")

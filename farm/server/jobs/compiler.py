@@ -18,10 +18,16 @@ from pathlib import Path
 import openvino as ov
 
 from farm.core.blobformat import read_header
-from farm.core.errors import CompileError
 from farm.core.spec import CompileSpec, Toolchain
 from farm.prepare import apply_shapes, check_input_sizes, check_static, read_model
-from farm.toolchain import classify_failure, compile_properties, device_name, toolchain_of
+from farm.toolchain import (
+    cache_properties,
+    classify_failure,
+    compile_properties,
+    device_name,
+    toolchain_of,
+    written_blob,
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def compile_to_file(
     if spec.target.is_npu:
         check_static(model, spec.target)
     props = compile_properties(spec)
-    run_props = {**props, "CACHE_DIR": str(out_dir), "CACHE_BLOB_ID": blob_id}
+    run_props = {**props, **cache_properties(Path(out_dir), blob_id)}
 
     _reset_peak_rss()
     watcher = _FileWatcher(blob_path)
@@ -68,14 +74,13 @@ def compile_to_file(
         raise classify_failure(spec.target, error) from error
     total = time.perf_counter() - started
     peak = _peak_rss_bytes()
-    if not blob_path.is_file():
-        raise CompileError(f"OpenVINO compiled but wrote no blob to {blob_path}")
+    blob_path = written_blob(Path(out_dir), blob_path)
     export_seconds = max(0.0, watcher.finished - watcher.appeared) if watcher.appeared else 0.0
     return CompileResult(
         blob_path=blob_path,
         payload_offset=read_header(blob_path).payload_offset,
         size_bytes=blob_path.stat().st_size,
-        toolchain=toolchain_of(compiled, spec.target),
+        toolchain=toolchain_of(compiled, spec.target, blob_path),
         compile_seconds=total - export_seconds,
         export_seconds=export_seconds,
         peak_rss_bytes=peak,

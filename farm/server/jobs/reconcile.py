@@ -5,7 +5,7 @@ Runs periodically (Celery beat → the `control` queue) or as `farm reconcile`. 
   infrastructure error) or waited in the queue past the maximum;
 - takes back running jobs whose lease expired (their worker died) and re-sends them;
 - re-sends queued jobs whose message is older than `resend_after_seconds` (a lost message);
-- aborts multipart uploads older than the maximum run time.
+- aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long).
 On PostgreSQL, rows are taken with FOR UPDATE SKIP LOCKED so two reconcilers never collide.
 """
 
@@ -116,7 +116,7 @@ def reconcile(
 
     if isinstance(store, AbortsStaleUploads):
         report.aborted_uploads = store.abort_stale_uploads(
-            timedelta(seconds=settings.max_run_seconds)
+            timedelta(seconds=settings.stale_upload_seconds)
         )
     return report
 

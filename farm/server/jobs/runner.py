@@ -10,9 +10,7 @@ after the blob is stored.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
 import logging
 import resource
 import shutil
@@ -22,21 +20,34 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core import errors
 from farm.core.clock import now
-from farm.core.errors import CompileCancelled, CompileError, CompileTimeout, WorkDiskFull
+from farm.core.errors import (
+    BlobTooLarge,
+    CompileCancelled,
+    CompileError,
+    CompileTimeout,
+    IntegrityMismatch,
+    ModelFileCorrupt,
+    StorageError,
+    WorkDiskFull,
+)
 from farm.core.filecache import BlobCache
+from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.core.vocabulary import JobState
+from farm.server.blobs.signatures import sign_row
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
-from farm.server.jobs.sandbox import compile_in_child
+from farm.server.jobs.sandbox import blob_limit_message, compile_in_child
+from farm.server.memory import release_free_memory
 from farm.server.storage import BlobStore, LocalPaths, blob_storage_key, model_storage_key
 
 log = logging.getLogger(__name__)
@@ -46,6 +57,11 @@ CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 """A write refused for want of room: disk full, file size limit (ulimit -f), quota."""
+BLOB_BYTES_PER_MODEL_BYTE = 4
+BLOB_BYTES_OVER_MODEL = 256 * 2**20
+"""The default blob size limit: 4 times the model's bytes plus 256 MiB. A blob holds the
+weights once (or not at all when weightless) plus the compiled code; a blob far bigger than its
+model is a constant broadcast at compile time (2.6 KB of IR made a 1 GiB blob in 14 s)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,18 @@ class RunLimits:
     max_run_seconds: int = 3 * 3600
     memory_bytes: int | None = None
     """Address-space limit of the compile's child process; None: none."""
+    max_blob_bytes: int | None = None
+    """Size limit of a blob; None: `blob_size_limit`'s default, from the model's size."""
+    compile_user: str | None = None
+    """Who compiles when the worker runs as root (`sandbox.compile_identity`; None: nobody)."""
+
+
+def blob_size_limit(model_bytes: int, max_blob_bytes: int | None = None) -> int:
+    """The largest blob a compile of a `model_bytes` model may write (FARM_MAX_BLOB_BYTES, or
+    4 x the model + 256 MiB)."""
+    if max_blob_bytes:
+        return max_blob_bytes
+    return BLOB_BYTES_PER_MODEL_BYTE * model_bytes + BLOB_BYTES_OVER_MODEL
 
 
 def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
@@ -127,20 +155,29 @@ def run_job(
 def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
     """Returns a function that records the outcome in a session (so recording is one place)."""
     spec = CompileSpec.from_canonical(job.target, job.spec)
-    with _work_disk(work_dir):
-        files = _fetch_model(store, model_row, work_dir, model_cache)
-        _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
+    max_blob_bytes = blob_size_limit(model_row.size_bytes, limits.max_blob_bytes)
+    try:
+        with _work_disk(work_dir):
+            files = _fetch_model(store, model_row, work_dir, model_cache)
+            _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
+    except ModelFileCorrupt as error:
+        corrupt = str(error)
+        return lambda session: _finish(session, job, JobState.FAILED, error=corrupt)
     release_free_memory()  # before the compile child's peak, not after it
     try:
-        result, output = compile_in_child(
-            files,
-            spec,
-            work_dir / "out",
-            job.cache_key,
-            timeout_seconds=limits.max_run_seconds,
-            memory_bytes=limits.memory_bytes,
-            should_stop=lease.should_stop,
-        )
+        with _work_disk(work_dir):  # the model's files staged, the blob moved for the child
+            result, output = compile_in_child(
+                files,
+                spec,
+                work_dir / "out",
+                job.cache_key,
+                timeout_seconds=limits.max_run_seconds,
+                memory_bytes=limits.memory_bytes,
+                max_blob_bytes=max_blob_bytes,
+                compile_user=limits.compile_user,
+                should_stop=lease.should_stop,
+            )
+        _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
@@ -161,19 +198,12 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
     )
 
 
-def release_free_memory() -> None:
-    """Hand memory freed by transfers back to the OS. glibc keeps freed parts' buffers in the
-    transfer threads' arenas, so a long-lived worker grew by ~80 MB over five 512 MB jobs and
-    held it through every later compile (bench/README.md, worker_memory). No-op off glibc."""
-    trim = getattr(_this_process(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _this_process() -> ctypes.CDLL:
-    """The symbols already loaded in this process, libc's among them (no library search)."""
-    return ctypes.CDLL(None)
+def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
+    """The sandbox stops a child at its first byte past the limit (RLIMIT_FSIZE); this is the
+    check that holds even where that limit could not be set, before a byte is uploaded."""
+    if blob_path.stat().st_size > max_blob_bytes:
+        blob_path.unlink()
+        raise BlobTooLarge(blob_limit_message(max_blob_bytes))
 
 
 def _fetch_model(
@@ -187,15 +217,41 @@ def _fetch_model(
         key, local = model_storage_key(sha), work_dir / f"model{suffix[role]}"
         stored = store.local_path(key) if isinstance(store, LocalPaths) else None
         if stored is None and model_cache is not None:
-            link_model_file(model_cache, store, key, sha, local)
+            try:
+                link_model_file(model_cache, store, key, sha, local)
+            except IntegrityMismatch:
+                _condemn(store, key, sha, role)
         elif stored is None:
             store.get_file(key, local)
+            if sha256_file(local) != sha:
+                _condemn(store, key, sha, role)
         else:
             # A link, not the store's own path: a model may name files relative to itself
             # (ONNX external data), and beside it must be its own folder, not other models.
             local.symlink_to(stored)
         files[role] = local
     return files
+
+
+def _condemn(store: BlobStore, key: str, sha256: str, role: str) -> NoReturn:
+    """A fetched model file whose bytes do not match its digest: read the stored object once
+    more, and when it really is corrupt (not a transfer gone wrong), delete it. Objects are
+    write-once, so a corrupt one would otherwise stay forever: the farm would report it present
+    and turn the genuine bytes away. Once deleted, `missing` names it and an upload stores it.
+
+    Note: an upload of the genuine bytes that lands between the check and the delete is
+    deleted too; the next submit finds the file missing and uploads it again.
+    """
+    with contextlib.closing(store.open_read(key)) as body:
+        actual = sha256_stream(body)
+    if actual == sha256:
+        raise StorageError(f"model file {key} changed on its way from storage; retrying")
+    store.delete(key)
+    log.warning("model file %s in storage has sha256 %s; deleted it", key, actual)
+    raise ModelFileCorrupt(
+        f"model file {key} (the model's {role}) was corrupt in storage (its bytes have sha256 "
+        f"{actual}); it was removed: submit the model again to upload it"
+    )
 
 
 @contextlib.contextmanager
@@ -295,7 +351,7 @@ def _record_blob(
     # store refused our write unless the bytes were equal, and one row is enough.
     if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
         session.add(
-            Blob(
+            blob := Blob(
                 cache_key=job.cache_key,
                 job_id=job.id,
                 model_id=model_row.id,
@@ -308,12 +364,11 @@ def _record_blob(
                 sha256=stored.sha256,
                 payload_offset=result.payload_offset,
                 weightless=bool(job.spec.get("weightless")),
-                signature=signer.sign(job.cache_key, stored.sha256) if signer else None,
-                signing_key_id=signer.key_id if signer else None,
                 created_at=at,
                 **timings,
             )
         )
+        sign_row(blob, signer, model_row.files)  # the manifest of the row's own fields
     session.commit()
     return session.get(Job, job.id, populate_existing=True)
 

@@ -5,10 +5,22 @@ fails its own job only; the parent stays free to renew the job's lease, notice a
 kill the compile (an OpenVINO compile cannot be interrupted inside a process). The child's
 stderr is the compiler's own output and goes into the job log.
 
-Limits: wall time (the parent kills the child past `timeout_seconds`) and memory (the child's
+Limits: wall time (the parent kills the child past `timeout_seconds`), memory (the child's
 address space, ``RLIMIT_AS``, so an allocation past the limit fails inside the child instead of
-waking the kernel's OOM killer, which may pick the worker). No core dumps: a crashing compile
-of a 20 GB model would otherwise write 20 GB to disk.
+waking the kernel's OOM killer, which may pick the worker) and the size of what it writes
+(``RLIMIT_FSIZE`` at the blob limit: a few KB of IR can broadcast a constant to GBs at compile
+time, and the kernel stops the child at its first byte past the limit). No core dumps: a
+crashing compile of a 20 GB model would otherwise write 20 GB to disk.
+
+What the child holds: only what a compile needs. Its environment is an allowlist
+(`child_environment`: no database, broker or S3 credentials, no signing key path), and a worker
+running as root runs it as an unprivileged user (`compile_identity`, ``FARM_COMPILE_USER``,
+default ``nobody``). The child starts as root, caps itself, loads OpenVINO and the target's
+plugin (which may live where that user cannot read, such as a home folder), then switches user
+for good before it reads a byte of the model. It works in a folder of its own (the box) that
+holds its model files and the blob it writes, owned by that user: hard links to the model files
+where that user may read them, else read-only copies. The parent takes the blob out of the box
+by its expected name, a regular file, never by a path the child reports.
 
 Note: ``RLIMIT_AS`` counts reserved address space, not only resident memory: thread stacks,
 allocator arenas and the memory-mapped ``.bin`` all count. A compile needs about 0.7 GB of it
@@ -24,12 +36,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import pwd
 import resource
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
@@ -38,6 +55,7 @@ from pathlib import Path
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.spec import CompileSpec, Toolchain
+from farm.server.processes import die_with_parent as _die_with_parent
 
 POLL_SECONDS = 0.5
 LOG_TAIL_BYTES = 64 * 1024
@@ -52,6 +70,31 @@ _MEMORY_SIGNS = (
 """How an allocation refused by ``RLIMIT_AS`` shows in the errors of a compile (measured)."""
 
 
+DEFAULT_COMPILE_USER = "nobody"
+"""Who compiles when the worker runs as root and FARM_COMPILE_USER is unset."""
+ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "LD_LIBRARY_PATH",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONHASHSEED",
+        "PYTHONIOENCODING",
+        "PYTHONUTF8",
+        "VIRTUAL_ENV",
+        "GLIBC_TUNABLES",
+    }
+)
+"""Variables the compile child keeps from the worker's environment (with ENV_PREFIXES)."""
+ENV_PREFIXES = ("LC_", "OV_", "OPENVINO", "NPU", "ZE_", "TBB_", "OMP_", "ONEDNN_", "DNNL_")
+"""Locale, OpenVINO and its NPU driver (Level Zero), and the threading libraries it uses."""
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+
 def compile_in_child(
     files: Mapping[str, Path],
     spec: CompileSpec,
@@ -60,12 +103,17 @@ def compile_in_child(
     *,
     timeout_seconds: float,
     memory_bytes: int | None = None,
+    max_blob_bytes: int | None = None,
+    compile_user: str | None = None,
     should_stop: Callable[[], bool] = lambda: False,
 ):
-    """Compile in a child process; returns (`CompileResult`, compiler output).
+    """Compile in a child process; returns (`CompileResult`, compiler output), the blob at
+    ``out_dir/<blob_id>.blob``.
 
     `memory_bytes` caps the child's address space (None: no cap); a compile that needs more
-    fails with CompileError "... exceeded its memory limit of N bytes".
+    fails with CompileError "... exceeded its memory limit of N bytes". `max_blob_bytes` caps
+    the files it writes (None: no cap); a bigger blob fails with BlobTooLarge.
+    `compile_user`: who compiles when this process runs as root (see `compile_identity`).
     `should_stop` is called every POLL_SECONDS; True kills the child (CompileCancelled).
     Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes;
     those and CompileTimeout carry the compiler's output in `.output`, for the job log.
@@ -73,29 +121,85 @@ def compile_in_child(
     # OpenVINO stays out of the watching process: only the child loads it and compiles.
     from farm.server.jobs import compiler
 
+    identity = compile_identity(compile_user)
     out_dir.mkdir(parents=True, exist_ok=True)
     request = out_dir.parent / f"{blob_id}.request.json"
     result_path = out_dir.parent / f"{blob_id}.result.json"
     log_path = out_dir.parent / f"{blob_id}.log"
-    request.write_text(
-        json.dumps(
-            {
-                "files": {role: str(path) for role, path in files.items()},
-                "target": spec.target.name,
-                "spec": spec.canonical(),
-                "out_dir": str(out_dir),
-                "blob_id": blob_id,
-                "memory_bytes": memory_bytes,
-            }
+    result_path.unlink(missing_ok=True)
+    box = _make_box(out_dir, identity)
+    try:
+        staged = {
+            role: _stage(Path(path), box / f"model.{role}", identity)
+            for role, path in files.items()
+        }
+        request.write_text(
+            json.dumps(
+                {
+                    "files": {role: str(path) for role, path in staged.items()},
+                    "target": spec.target.name,
+                    "spec": spec.canonical(),
+                    "out_dir": str(box),
+                    "blob_id": blob_id,
+                    "memory_bytes": memory_bytes,
+                    "max_blob_bytes": max_blob_bytes,
+                    "run_as": identity,
+                }
+            )
         )
-    )
+        returncode, timed_out = _run_child(
+            request, result_path, log_path, box, timeout_seconds, should_stop
+        )
+        output = _tail(log_path)
+        if timed_out:
+            raise _with_output(
+                CompileTimeout(
+                    f"compile ran longer than its time limit of {timeout_seconds:.0f} s "
+                    f"(FARM_MAX_RUN_SECONDS)"
+                ),
+                output,
+            )
+        result = _read_result(result_path)
+        if result is None:
+            raise _with_output(_death(returncode, output, memory_bytes, max_blob_bytes), output)
+        if "error" in result:
+            error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
+            raise _with_output(error, output)
+        blob = _take_blob(box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+    # The child's word is taken for how it compiled, not for where or how big its blob is.
+    result["blob_path"] = blob
+    result["size_bytes"] = blob.stat().st_size
+    result["toolchain"] = Toolchain(**result["toolchain"])
+    return compiler.CompileResult(**result), output
+
+
+def _run_child(
+    request: Path,
+    result_path: Path,
+    log_path: Path,
+    box: Path,
+    timeout_seconds: float,
+    should_stop: Callable[[], bool],
+) -> tuple[int, bool]:
+    """Start the child in `box` and watch it until it ends; returns (exit code, timed out)."""
     started = time.monotonic()
-    timed_out = False
     with open(log_path, "wb") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "farm.server.jobs.sandbox", str(request), str(result_path)],
+            # -P: the box (the working directory) is not put on the child's import path.
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "farm.server.jobs.sandbox",
+                str(request),
+                str(result_path),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            cwd=box,
+            env=child_environment(os.environ, box),
             preexec_fn=_die_with_parent,
         )
         try:
@@ -103,8 +207,7 @@ def compile_in_child(
                 if should_stop():
                     raise CompileCancelled("compile cancelled")
                 if time.monotonic() - started > timeout_seconds:
-                    timed_out = True
-                    break
+                    return child.returncode or 0, True
                 # Returns as soon as the child exits: a plain sleep rounded every compile up to
                 # a multiple of POLL_SECONDS (half the run time of a small model's job).
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -113,45 +216,34 @@ def compile_in_child(
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    output = _tail(log_path)
-    if timed_out:
-        raise _with_output(
-            CompileTimeout(
-                f"compile ran longer than its time limit of {timeout_seconds:.0f} s "
-                f"(FARM_MAX_RUN_SECONDS)"
-            ),
-            output,
-        )
-    if child.returncode != 0 and not result_path.exists():
-        if memory_bytes and any(sign in output for sign in (*_MEMORY_SIGNS, "MemoryError")):
-            # Refused before the compile's own error handling (loading OpenVINO's libraries).
-            raise _with_output(errors.CompileError(memory_limit_message(memory_bytes)), output)
-        how = (
-            f"killed by signal {-child.returncode}"
-            if child.returncode < 0
-            else f"exit code {child.returncode}"
-        )
-        if memory_bytes and child.returncode < 0:
-            # A refused allocation that OpenVINO did not turn into an exception (an abort in
-            # a compiler thread, a NULL it did not check) ends the child like this.
-            hint = f" (it may have exceeded its memory limit of {memory_bytes} bytes)"
-        elif child.returncode == -signal.SIGKILL:
-            hint = " (out of memory?)"
-        else:
-            hint = ""
-        raise _with_output(errors.CompileError(f"the compiler process died: {how}{hint}"), output)
-    result = json.loads(result_path.read_text())
-    if "error" in result:
-        error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
-        raise _with_output(error, output)
-    result["blob_path"] = Path(result["blob_path"])
-    result["toolchain"] = Toolchain(**result["toolchain"])
-    return compiler.CompileResult(**result), output
+    return child.returncode, False
 
 
-_CHILD_ERRORS: dict[str, type[errors.CompileError] | type[errors.CompilerUnavailable]] = {
+def _death(
+    returncode: int, output: str, memory_bytes: int | None, max_blob_bytes: int | None
+) -> errors.CompileError:
+    """Why a child that left no result ended, as the error its job fails with."""
+    if max_blob_bytes and returncode == -signal.SIGXFSZ:
+        return errors.BlobTooLarge(blob_limit_message(max_blob_bytes))
+    if memory_bytes and any(sign in output for sign in (*_MEMORY_SIGNS, "MemoryError")):
+        # Refused before the compile's own error handling (loading OpenVINO's libraries).
+        return errors.CompileError(memory_limit_message(memory_bytes))
+    how = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+    if memory_bytes and returncode < 0:
+        # A refused allocation that OpenVINO did not turn into an exception (an abort in
+        # a compiler thread, a NULL it did not check) ends the child like this.
+        hint = f" (it may have exceeded its memory limit of {memory_bytes} bytes)"
+    elif returncode == -signal.SIGKILL:
+        hint = " (out of memory?)"
+    else:
+        hint = ""
+    return errors.CompileError(f"the compiler process died: {how}{hint}")
+
+
+_CHILD_ERRORS: dict[str, type[errors.FarmError]] = {
     errors.CompilerUnavailable.code: errors.CompilerUnavailable,
     errors.ModelError.code: errors.ModelError,
+    errors.SandboxUnavailable.code: errors.SandboxUnavailable,
 }
 """The child reports an error by its `code`; anything else is a CompileError."""
 
@@ -164,20 +256,158 @@ def memory_limit_message(memory_bytes: int) -> str:
     )
 
 
-def _with_output(
-    error: errors.CompileError | errors.CompilerUnavailable | CompileTimeout, output: str
-) -> Exception:
-    error.output = output
+def blob_limit_message(max_blob_bytes: int) -> str:
+    return (
+        f"the compiled blob exceeded its size limit of {max_blob_bytes} bytes "
+        f"({max_blob_bytes / 2**20:.0f} MiB; by default 4 times the model's size plus 256 MiB): "
+        "nothing was stored; set FARM_MAX_BLOB_BYTES higher if this model's blob really is "
+        "that large"
+    )
+
+
+def _with_output(error: errors.FarmError, output: str) -> Exception:
+    error.output = output  # type: ignore[attr-defined]
     return error
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGKILL when the process that started it dies."""
+# --- who compiles, with what ------------------------------------------------------------------
+
+
+def child_environment(environ: Mapping[str, str], home: Path) -> dict[str, str]:
+    """The compile child's environment: the allowlisted variables of `environ` (ENV_NAMES,
+    ENV_PREFIXES), with HOME and TMPDIR in the child's own folder `home`. Nothing else passes:
+    not the worker's FARM_* settings (database, broker and S3 credentials, the signing key's
+    path), not AWS_* credentials, not LD_PRELOAD."""
+    kept = {
+        name: value
+        for name, value in environ.items()
+        if name in ENV_NAMES or name.startswith(ENV_PREFIXES)
+    }
+    # No bytecode written by a user that cannot write the install anyway.
+    return {**kept, "HOME": str(home), "TMPDIR": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def compile_identity(compile_user: str | None = None) -> tuple[int, int] | None:
+    """(uid, gid) the compile child switches to, or None: it stays who the worker is. Only a
+    worker running as root switches, to `compile_user` (a name or a uid; default nobody);
+    ``root`` or uid 0 keeps root."""
+    if os.geteuid() != 0:
+        return None
+    name = compile_user or DEFAULT_COMPILE_USER
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        uid, gid = entry.pw_uid, entry.pw_gid
+    except KeyError:
+        if not name.isdigit():
+            raise errors.SandboxUnavailable(
+                f"no user {name!r} on this host to run compiles as (FARM_COMPILE_USER): create "
+                "it, or name an existing unprivileged user or a numeric uid"
+            ) from None
+        uid = gid = int(name)  # a uid of its own, with no entry in /etc/passwd
+    return None if uid == 0 else (uid, gid)
+
+
+BOX_ROOTS = ("/tmp", "/var/tmp")
+"""Where the box goes when the compile user cannot reach the temporary directory (TMPDIR may
+be a private folder of the worker's); the blob is then copied to `out_dir` after the compile."""
+
+
+def _make_box(out_dir: Path, identity: tuple[int, int] | None) -> Path:
+    """The child's own folder. Beside `out_dir` when the child is the worker's own user. Else
+    owned by the compile user and closed to others, in a folder that user can reach, because
+    OpenVINO resolves its cache folder's real path: the temporary directory (where the worker
+    compiles, so the blob moves to `out_dir` without a copy), else BOX_ROOTS."""
+    if identity is None:
+        return Path(tempfile.mkdtemp(prefix="box-", dir=out_dir.parent))
+    roots = [Path(tempfile.gettempdir()), *map(Path, BOX_ROOTS)]
+    root = next((r for r in roots if r.is_dir() and _may(r, *identity, os.X_OK, True)), None)
+    if root is None:
+        raise errors.SandboxUnavailable(
+            f"the compile user (uid {identity[0]}) can reach none of {', '.join(map(str, roots))}:"
+            " point TMPDIR at a folder every user may traverse, or set FARM_COMPILE_USER"
+        )
+    box = Path(tempfile.mkdtemp(prefix="farm-compile-", dir=root))
+    os.chown(box, *identity)
+    return box
+
+
+def _stage(source: Path, dest: Path, identity: tuple[int, int] | None) -> Path:
+    """Put a model file in the box: a link when the child may read the file where it is, else
+    a read-only copy. A hard link needs neither the folders above the file (a private home, the
+    model cache) to be open to the compile user nor room for a copy."""
+    if identity is None:
+        dest.symlink_to(source.absolute())
+        return dest
+    real = source.resolve()
+    info = real.stat()
+    shareable = (
+        info.st_uid != identity[0]  # the child could chmod a file it owns
+        and _allows(info, *identity, os.R_OK)
+        and not _allows(info, *identity, os.W_OK)
+    )
+    if shareable:
+        with contextlib.suppress(OSError):  # another file system: copy
+            os.link(real, dest)
+            return dest
+    shutil.copyfile(real, dest)
+    dest.chmod(0o444)
+    return dest
+
+
+def _may(path: Path, uid: int, gid: int, access: int, every_parent: bool = False) -> bool:
+    """Whether `uid`/`gid` (no other groups) may `access` `path` (and pass every folder above)."""
+    folders = [path, *path.parents] if every_parent else [path]
+    return all(_allows(folder.stat(), uid, gid, access) for folder in folders)
+
+
+def _allows(info: os.stat_result, uid: int, gid: int, access: int) -> bool:
+    shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+    return bool((info.st_mode >> shift) & access)
+
+
+def _take_blob(written: Path, dest: Path) -> Path:
+    """Move the blob out of the box into `dest`, refusing anything but a regular file of its
+    own: the box belongs to the compile user, who could have left a link to a file of the
+    worker's there (the signing key), for the worker to upload."""
+    try:
+        os.replace(written, dest)  # moves the entry itself, a link as a link
+    except FileNotFoundError:
+        raise errors.CompileError(f"OpenVINO compiled but wrote no blob to {written}") from None
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+        _copy_blob(written, dest)  # another file system than `dest`'s
+    if not _a_blob_file(os.lstat(dest)):
+        dest.unlink()
+        raise _not_a_blob(written)
+    return dest
+
+
+def _copy_blob(written: Path, dest: Path) -> None:
+    """Copy a regular file only: not through a link, not from a FIFO that would block."""
+    descriptor = os.open(written, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as source:
+        if not _a_blob_file(os.fstat(descriptor)):
+            raise _not_a_blob(written)
+        with open(dest, "wb") as sink:
+            shutil.copyfileobj(source, sink, 1 << 20)
+
+
+def _a_blob_file(info: os.stat_result) -> bool:
+    """A regular file with no other name (none the compile user could still write it through)."""
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+
+
+def _not_a_blob(written: Path) -> errors.CompileError:
+    return errors.CompileError(f"the compile left something other than a blob file at {written}")
+
+
+def _read_result(path: Path) -> dict | None:
+    """The child's result, or None when it ended before writing all of it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _tail(path: Path) -> str:
@@ -187,14 +417,60 @@ def _tail(path: Path) -> str:
         return stream.read().decode("utf-8", errors="replace")
 
 
-def _limit_memory(memory_bytes: int | None) -> None:
-    """Cap this process's address space and turn off core dumps (both only ever lowered)."""
+# --- the child --------------------------------------------------------------------------------
+
+
+def _limit_resources(memory_bytes: int | None, max_blob_bytes: int | None) -> None:
+    """Cap this process's address space and file size, no core dumps (all only ever lowered)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if memory_bytes:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            memory_bytes = min(memory_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    for limit, value in (
+        (resource.RLIMIT_AS, memory_bytes),
+        (resource.RLIMIT_FSIZE, max_blob_bytes),
+    ):
+        if value:
+            _, hard = resource.getrlimit(limit)
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.setrlimit(limit, (value, value))
+    # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE would fail with EFBIG, which
+    # OpenVINO drops without a word (a truncated blob); the signal ends the child instead.
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+
+
+_LOADED: list[object] = []
+"""OpenVINO objects kept for the child's lifetime: dropping them would unload the plugin and
+frontend libraries, which the child, switched to the compile user, may not be able to load
+again."""
+
+
+def _load_openvino(spec: CompileSpec, roles: set[str]) -> None:
+    """Load the target's plugin and the model format's frontend while the child is still the
+    worker's user; best effort: what fails here fails again, with its real error, in the
+    compile (an allocation the memory limit refuses, a plugin this host lacks)."""
+    import openvino as ov
+
+    from farm.toolchain import device_name
+
+    with contextlib.suppress(Exception):
+        core = ov.Core()
+        _LOADED.append(core)
+        core.get_versions(device_name(spec.target))
+    with contextlib.suppress(Exception):
+        manager = ov.frontend.FrontEndManager()
+        _LOADED.append(manager)
+        _LOADED.append(manager.load_by_framework("onnx" if "onnx" in roles else "ir"))
+
+
+def _become(uid: int, gid: int, parent: int) -> None:
+    """Switch to the compile user for good (no way back, no setuid gains)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of user clears it
+    if os.getppid() != parent:  # the worker died before the line above
+        os._exit(1)
 
 
 def _out_of_memory(error: BaseException | None) -> bool:
@@ -207,18 +483,42 @@ def _out_of_memory(error: BaseException | None) -> bool:
 
 
 def _child_main(request_path: str, result_path: str) -> int:
+    parent = os.getppid()
     request = json.loads(Path(request_path).read_text())
     memory_bytes = request.get("memory_bytes")
+    # Opened before the switch of user: the compile user cannot write beside the request.
+    result = open(result_path, "w")  # noqa: SIM115 (written at the very end)
     # Before OpenVINO is imported: the limit covers everything the compile maps or allocates.
-    _limit_memory(memory_bytes)
+    _limit_resources(memory_bytes, request.get("max_blob_bytes"))
     from farm.server.jobs import compiler
 
     spec = CompileSpec.from_canonical(request["target"], request["spec"])
     files = {role: Path(path) for role, path in request["files"].items()}
+    _load_openvino(spec, set(files))
     try:
-        result = compiler.compile_to_file(files, spec, Path(request["out_dir"]), request["blob_id"])
-        payload = asdict(result)
-        payload["blob_path"] = str(result.blob_path)
+        if request.get("run_as"):
+            uid, gid = request["run_as"]
+            _become(uid, gid, parent)
+    except OSError as error:
+        code, message = (
+            errors.SandboxUnavailable.code,
+            f"cannot switch to the compile user: {error}",
+        )
+        payload: dict = {"error": code, "message": message}
+    else:
+        payload = _compile(compiler, files, spec, request, memory_bytes)
+    result.write(json.dumps(payload))
+    result.close()
+    return 0
+
+
+def _compile(compiler, files, spec: CompileSpec, request: dict, memory_bytes: int | None) -> dict:
+    try:
+        compiled = compiler.compile_to_file(
+            files, spec, Path(request["out_dir"]), request["blob_id"]
+        )
+        payload = asdict(compiled)
+        payload["blob_path"] = str(compiled.blob_path)
     except (errors.CompileError, errors.CompilerUnavailable, MemoryError) as error:
         code = getattr(error, "code", "out_of_memory")
         payload = {"error": code, "message": str(error)}
@@ -229,10 +529,7 @@ def _child_main(request_path: str, result_path: str) -> int:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         if error.__cause__ is not None:
             print(f"OpenVINO: {error.__cause__}", file=sys.stderr)
-    partial = Path(result_path + ".partial")
-    partial.write_text(json.dumps(payload))
-    partial.replace(result_path)
-    return 0
+    return payload
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def submit_matrix(
     known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
     if refuse_uncompilable:
         for spec, outcome in zip(specs, known, strict=True):
-            reason = host.unavailable_reason(spec.target) if outcome is None else None
+            reason = _cannot_compile_here(spec.target, toolchain) if outcome is None else None
             if reason:
                 raise CompilerUnavailable(reason)
     results: list[tuple[CompileSpec, Submission]] = []
@@ -172,7 +172,7 @@ def submit_matrix(
     for spec, outcome in zip(specs, known, strict=True):
         if outcome is None:
             model = model or describe_model()
-            queue = route(settings, spec.target, model.size_bytes)
+            queue = route(settings, spec.target, model.size_bytes, toolchain)
             new = functools.partial(
                 submit,
                 session,
@@ -201,11 +201,27 @@ def submit_matrix(
     return MatrixSubmission(submission_id, results)
 
 
-def route(settings: Settings, target: Target, model_bytes: int) -> str:
-    """The queue of a new job: its target's, `.large` for big models; embedded: no broker."""
+def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:
+    """Why this host cannot make the blob a submission for `toolchain` asks for, or None."""
+    reason = host.unavailable_reason(target)
+    if reason:
+        return reason
+    here, wanted = host.host_toolchain(target).key_part(target), toolchain.key_part(target)
+    if here != wanted:
+        return (
+            f"this host's toolchain for {target} is {here}, but the submission asks for "
+            f"{wanted} (--toolchain): submit it to a farm with a worker that has it"
+        )
+    return None
+
+
+def route(settings: Settings, target: Target, model_bytes: int, toolchain: Toolchain) -> str:
+    """The queue of a new job: its target's and toolchain's (`routing`), `.large` for big
+    models; embedded: no broker."""
     if not settings.served:
         return EMBEDDED_QUEUE
-    return routing.queue_name(target, model_bytes > settings.large_model_bytes)
+    large = model_bytes > settings.large_model_bytes
+    return routing.queue_name(target, toolchain.key_part(target), large)
 
 
 def register_model(session: Session, model: ModelInfo) -> Model:

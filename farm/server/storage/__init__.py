@@ -8,8 +8,9 @@ from __future__ import annotations
 import abc
 import hashlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -168,7 +169,17 @@ class AbortsStaleUploads(abc.ABC):
 
     @abc.abstractmethod
     def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
-        """Abort unfinished uploads started more than `older_than` ago; returns their keys."""
+        """Abort unfinished uploads idle (no part received) for `older_than`; returns their
+        keys."""
+
+
+class ListsObjects(abc.ABC):
+    """Lists the objects under a key prefix, with when each was written (`farm gc` finds the
+    model files no job names)."""
+
+    @abc.abstractmethod
+    def list_objects(self, prefix: str) -> Iterator[tuple[str, int, datetime]]:
+        """(key, size, last written) of each whole object under `prefix` (e.g. ``models/``)."""
 
 
 def _local(url: str, settings: Settings | None) -> BlobStore:

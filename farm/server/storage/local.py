@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.hashing import sha256_file
 from farm.server.storage import (
     BlobStore,
+    ListsObjects,
     LocalPaths,
     ObjectWriter,
     StorageError,
@@ -26,7 +29,7 @@ from farm.server.storage import (
 CHUNK_BYTES = 1 << 20
 
 
-class LocalStore(BlobStore, LocalPaths):
+class LocalStore(BlobStore, LocalPaths, ListsObjects):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
 
@@ -63,6 +66,13 @@ class LocalStore(BlobStore, LocalPaths):
 
     def local_path(self, key: str) -> Path:
         return self._path(key)
+
+    def list_objects(self, prefix: str) -> Iterator[tuple[str, int, datetime]]:
+        for path in sorted(self._path(prefix.rstrip("/")).glob("*")):
+            if path.is_file() and not path.name.startswith("."):  # not a writer's .partial
+                info = path.stat()
+                key = path.relative_to(self.root).as_posix()
+                yield key, info.st_size, datetime.fromtimestamp(info.st_mtime, UTC)
 
     def check(self) -> None:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,6 +33,7 @@ from farm.server.storage import (
     AbortsStaleUploads,
     BlobStore,
     ChecksumMismatch,
+    ListsObjects,
     ObjectWriter,
     Presigning,
     StorageError,
@@ -72,7 +74,7 @@ class S3Settings:
         return cls(bucket=bucket, prefix=f"{prefix}/" if prefix else "", **kwargs)
 
 
-class S3Store(BlobStore, Presigning, AbortsStaleUploads):
+class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
     def __init__(self, settings: S3Settings) -> None:
         self.settings = settings
         self.bucket = settings.bucket
@@ -149,16 +151,38 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads):
         return StoredObject(key, size, sha256)
 
     def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
-        """Abort multipart uploads under our prefix started before now - `older_than`."""
+        """Abort multipart uploads under our prefix idle for `older_than`: no part received
+        since (an upload with no part yet: begun before). How long ago an upload began says
+        nothing: an 80 MiB model at 1 MiB/s takes 80 s, a big one over a slow link hours, and
+        aborting it makes its last request fail (NoSuchUpload)."""
         cutoff = datetime.now(UTC) - older_than
         aborted = []
         paginator = self.client.get_paginator("list_multipart_uploads")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.settings.prefix):
             for upload in page.get("Uploads", []):
-                if upload["Initiated"] < cutoff:
-                    self._abort(upload["Key"], upload["UploadId"])
-                    aborted.append(upload["Key"])
+                key, upload_id, began = upload["Key"], upload["UploadId"], upload["Initiated"]
+                if began >= cutoff:
+                    continue  # no part can be older than the upload
+                last = self._last_activity(key, upload_id, began)
+                if last is not None and last < cutoff:
+                    self._abort(key, upload_id)
+                    aborted.append(key)
         return aborted
+
+    def _last_activity(self, object_key: str, upload_id: str, began: datetime) -> datetime | None:
+        """When the upload last received a part (with none yet: when it began); None: it is
+        gone (completed or aborted since it was listed)."""
+        newest = began
+        paginator = self.client.get_paginator("list_parts")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Key=object_key, UploadId=upload_id):
+                for part in page.get("Parts", []):
+                    newest = max(newest, part["LastModified"])
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                return None
+            raise
+        return newest
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -218,6 +242,16 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads):
 
     def exists(self, key: str) -> bool:
         return self.stat(key) is not None
+
+    def list_objects(self, prefix: str) -> Iterator[tuple[str, int, datetime]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        with _errors(f"S3 listing of {prefix}"):
+            for page in paginator.paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix.rstrip("/")) + "/"
+            ):
+                for item in page.get("Contents", []):
+                    key = item["Key"].removeprefix(self.settings.prefix)
+                    yield key, item["Size"], item["LastModified"]
 
     def delete(self, key: str) -> None:
         try:

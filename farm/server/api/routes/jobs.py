@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -82,6 +82,22 @@ def submit(
         )
 
 
+def _in_utc(since: datetime | None) -> datetime | None:
+    """`since` in UTC (no zone: UTC). A date at the edge of the calendar in a far zone
+    (0001-01-01T00:00:00+14:00) has no UTC equivalent: a 422 naming the parameter, not a 500."""
+    if since is None or since.tzinfo is None:
+        return since
+    try:
+        return since.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"since: {since.isoformat()} is outside the dates the farm can compare "
+            "(years 1 to 9999 in UTC)",
+        ) from None
+
+
 def _stored_size(store: BlobStore, model: dict[str, str]) -> int:
     """Bytes of the model files already stored (0 for those not uploaded yet)."""
     stats = (store.stat(model_storage_key(sha)) for sha in model.values())
@@ -113,7 +129,7 @@ def list_jobs(
             limit,
             model=model,
             submitter=submitter,
-            since=since,
+            since=_in_utc(since),
             cache_key=cache_key,
             cursor=cursor,
         )

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from farm.core.errors import ApiError, ChecksumMismatch
 from farm.server.api.deps import Farm, SubmitCaller, known_query_only
 from farm.server.api.schemas import MissingRequest, MissingResponse, Sha256
+from farm.server.api.uploads import upload_slots
 from farm.server.jobs import service
+from farm.server.memory import release_free_memory
 from farm.server.storage import ObjectWriter, model_storage_key
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["models"], dependencies=[Depends(known_query_only)])
 
@@ -22,12 +28,17 @@ def missing_models(body: MissingRequest, farm: Farm, _: SubmitCaller) -> Missing
     return MissingResponse(missing=service.missing_model_files(farm.store, body.sha256))
 
 
-@router.put("/v1/models/{sha256}", status_code=201, responses={409: {}, 411: {}, 413: {}, 415: {}})
+@router.put(
+    "/v1/models/{sha256}",
+    status_code=201,
+    responses={409: {}, 411: {}, 413: {}, 415: {}, 503: {}},
+)
 async def upload_model(
     sha256: Sha256, request: Request, farm: Farm, _: SubmitCaller
 ) -> dict[str, Any]:
     """Upload one model file, streamed as `application/octet-stream`; its sha256 is verified
-    against the digest in the URL before anything is stored."""
+    against the digest in the URL before anything is stored. Past FARM_MAX_CONCURRENT_UPLOADS
+    uploads at once: 503 `too_many_uploads` with Retry-After."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/octet-stream":
         raise ApiError(415, "unsupported_media_type", "send the file as application/octet-stream")
     declared = request.headers.get("content-length")
@@ -42,14 +53,24 @@ async def upload_model(
     key = model_storage_key(sha256)
     if farm.store.exists(key):
         return {"sha256": sha256, "stored": False}
-    writer = farm.store.writer(key, expected_sha256=sha256)
-    try:
-        await _stream_into(writer, request, int(declared))
-        await run_in_threadpool(writer.commit)
-    except ChecksumMismatch as error:
-        raise ApiError(422, "digest_mismatch", str(error)) from error
-    finally:
-        writer.close()
+    with upload_slots(request, farm.settings.max_concurrent_uploads).hold():
+        writer = farm.store.writer(key, expected_sha256=sha256)
+        try:
+            await _stream_into(writer, request, int(declared))
+            await run_in_threadpool(writer.commit)
+        except ChecksumMismatch as error:
+            raise ApiError(422, "digest_mismatch", str(error)) from error
+        except ClientDisconnect:
+            # Not the server's fault, and nobody is left to answer: one line, no traceback.
+            # The writer is discarded below, so nothing of the upload is stored.
+            log.info(
+                "upload of model file %s stopped: the client went away; nothing stored", sha256
+            )
+            raise ApiError(400, "client_disconnected", "the upload ended early") from None
+        finally:
+            writer.close()
+            # The upload's buffers, freed, go back to the OS rather than stay with glibc.
+            await run_in_threadpool(release_free_memory)
     return {"sha256": sha256, "stored": True}
 
 

@@ -1,0 +1,41 @@
+"""A blob row's signatures: its manifest, built from the row's own fields, signed as version 2
+(what edges check) and as version 1 (for edges older than manifests), both by one key.
+
+One place for the worker that records a blob and for `farm keys resign`, so what a key signs
+is always exactly what the row holds, and so what the API answers (farm/server/views.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from farm.core.signing import Manifest, Signer
+from farm.server.db.models import Blob
+
+
+def manifest_of(blob: Blob, model: Mapping[str, str] | None = None) -> Manifest:
+    """The manifest of `blob` (`model`: its model's file digests, for a row whose `model`
+    relationship is not loaded yet)."""
+    return Manifest.from_record(
+        {
+            "cache_key": blob.cache_key,
+            "sha256": blob.sha256,
+            "size_bytes": blob.size_bytes,
+            "payload_offset": blob.payload_offset,
+            "target": blob.target,
+            "toolchain": blob.toolchain,
+            "weightless": blob.weightless,
+            "model": blob.model.files if model is None else model,
+        }
+    )
+
+
+def sign_row(blob: Blob, signer: Signer | None, model: Mapping[str, str] | None = None) -> Blob:
+    """Set the signature columns of `blob` (all null without a signer); returns `blob`."""
+    if signer is None:
+        blob.signature = blob.manifest_signature = blob.signing_key_id = None
+        return blob
+    blob.signature = signer.sign(blob.cache_key, blob.sha256)
+    blob.manifest_signature = signer.sign_manifest(manifest_of(blob, model))
+    blob.signing_key_id = signer.key_id
+    return blob

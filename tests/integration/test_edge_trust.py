@@ -1,0 +1,259 @@
+"""The edge's trust chain against a man in the middle: a real `farm api` behind an HTTP proxy on
+loopback that answers one cache key with another key's genuine, correctly signed record or
+bytes, or pads a download past its signed size, as a proxy on plain HTTP or a compromised API
+could. The edge imports exactly the blob of the key it computed, or nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import re
+import resource
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests import models
+from tests.integration.test_edge import edge_farm, ok_json, run_farm  # noqa: F401
+
+_BLOB = re.compile(r"^/v1/blobs/([0-9a-f]{64})(/download)?$")
+
+
+class SwappingProxy:
+    """Forwards every request to the API, except that it answers the keys in `records` with
+    the record of another key (`relabel`: with the key asked for written into it), the keys in
+    `bodies` with another key's bytes (`fit`: cut or padded to a size), and pads the
+    downloads of the keys in `padding`; `redirect` answers downloads with a redirect to its
+    own `/presigned/<key>` (the client's presigned-URL path), `announce` False sends bodies
+    without a Content-Length (ended by closing the connection)."""
+
+    def __init__(self, upstream_port: int, token: str) -> None:
+        self.upstream_port, self.token = upstream_port, token
+        self.records: dict[str, str] = {}
+        self.bodies: dict[str, str] = {}
+        self.padding: dict[str, int] = {}
+        self.fit: dict[str, int] = {}
+        self.relabel = False
+        self.redirect = False
+        self.announce = True
+        self.downloads: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                proxy.answer(self)
+
+            def do_POST(self) -> None:
+                proxy.answer(self)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def answer(self, request: BaseHTTPRequestHandler) -> None:
+        path = request.path
+        presigned = path.startswith("/presigned/")
+        match = _BLOB.match(path)
+        if presigned or (match and match[2]):
+            key = path.removeprefix("/presigned/") if presigned else match[1]
+            self.downloads.append(key)
+            if self.redirect and not presigned:
+                return self.send(request, 307, b"", {"Location": f"{self.url}/presigned/{key}"})
+            status, headers, body = self.forward(
+                "GET", f"/v1/blobs/{self.bodies.get(key, key)}/download", None, {}
+            )
+            if key in self.fit:
+                body = body[: self.fit[key]].ljust(self.fit[key], b"\0")
+            body += b"\0" * self.padding.get(key, 0)
+            return self.send(request, status, body, headers, self.announce)
+        if match and request.command == "GET" and match[1] in self.records:
+            status, headers, body = self.forward(
+                "GET", f"/v1/blobs/{self.records[match[1]]}", None, {}
+            )
+            if self.relabel:
+                body = json.dumps({**json.loads(body), "cache_key": match[1]}).encode()
+            return self.send(request, status, body, headers)
+        length = int(request.headers.get("Content-Length") or 0)
+        body = request.rfile.read(length) if length else None
+        content_type = request.headers.get("Content-Type")
+        headers = {"Content-Type": content_type} if content_type else {}
+        status, headers, body = self.forward(request.command, path, body, headers)
+        self.send(request, status, body, headers)
+
+    def forward(self, method: str, path: str, body: bytes | None, headers: dict):
+        connection = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=30)
+        try:
+            headers = {**headers, "Authorization": f"Bearer {self.token}"}
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            kept = {k: v for k, v in response.getheaders() if k.lower() == "content-type"}
+            return response.status, kept, response.read()
+        finally:
+            connection.close()
+
+    @staticmethod
+    def send(request, status: int, body: bytes, headers: dict, announce: bool = True) -> None:
+        request.send_response(status)
+        for name, value in headers.items():
+            request.send_header(name, value)
+        if announce:
+            request.send_header("Content-Length", str(len(body)))
+        request.send_header("Connection", "close")
+        request.end_headers()
+        request.close_connection = True
+        with contextlib.suppress(ConnectionError):  # an edge that stopped reading: refused
+            request.wfile.write(body)
+
+
+@pytest.fixture
+def two_blobs(edge_farm):  # noqa: F811
+    """Blob A (the fixture's) and B, another model of the same architecture: same size, other
+    bytes, each genuinely compiled and signed by the farm; and the proxy in front of the API."""
+    xml_b = models.save_ir(models.conv_net(seed=3), edge_farm.tmp / "b" / "b.xml")
+    key_b = ok_json(edge_farm.farm_env, "submit", str(xml_b), "-d", "CPU")["cache_key"]
+    proxy = SwappingProxy(edge_farm.api.port, edge_farm.tokens["pull"])
+    yield edge_farm, key_b, proxy
+    proxy.stop()
+
+
+def stored(farm, key: str) -> bytes:
+    return (farm.home / "store" / "blobs" / f"{key}.blob").read_bytes()
+
+
+def cache_files(farm) -> list[str]:
+    root = farm.blob_cache
+    return sorted(p.name for p in [*root.glob("*"), *root.glob("partial/*")] if p.is_file())
+
+
+def test_a_record_of_another_key_is_refused_and_nothing_is_cached(two_blobs):
+    farm, key_b, proxy = two_blobs
+    key_a = farm.key
+    env = farm.edge_env(url=proxy.url)
+    proxy.records[key_a] = key_b  # B's genuine, signed record, and B's bytes, for key A
+    proxy.bodies[key_a] = key_b
+
+    swapped = run_farm(env, "pull", str(farm.xml), "--device", "CPU", "--import")
+    assert swapped.returncode == 5, swapped.stderr
+    assert f"asked for blob {key_a}, the farm answered with the record of {key_b}" in (
+        swapped.stderr
+    )
+    assert proxy.downloads == [] and cache_files(farm) == []
+    assert farm.sql("SELECT count(*) FROM pulls") == [(0,)]
+
+    # B's record with A's key written into it: its manifest signature no longer verifies.
+    proxy.relabel = True
+    relabelled = run_farm(env, "pull", key_a, "--import")
+    assert relabelled.returncode == 5, relabelled.stderr
+    assert f"blob {key_a} has an invalid signature" in relabelled.stderr
+    assert proxy.downloads == [] and cache_files(farm) == []
+
+
+def test_the_bytes_of_another_key_are_refused_and_nothing_is_cached(two_blobs):
+    farm, key_b, proxy = two_blobs
+    key_a = farm.key
+    size_a = len(stored(farm, key_a))
+    proxy.bodies[key_a] = key_b
+    proxy.fit[key_a] = size_a + 1000  # (two compiles' sizes differ by a few bytes at most)
+    env = farm.edge_env(url=proxy.url)
+
+    swapped = run_farm(env, "pull", key_a, "--import")
+    assert swapped.returncode == 5, swapped.stderr
+    assert f"blob {key_a} is longer than its signed {size_a} bytes" in swapped.stderr
+    assert proxy.downloads == [key_a] and cache_files(farm) == []
+
+    proxy.fit[key_a] = size_a  # B's bytes cut to A's size: the signed sha256 refuses them
+    cut = run_farm(env, "pull", key_a, "--import")
+    assert cut.returncode == 5, cut.stderr
+    assert f"downloaded blob {key_a} has sha256" in cut.stderr
+    assert "deleted, not imported" in cut.stderr
+    assert proxy.downloads == [key_a, key_a] and cache_files(farm) == []
+    assert farm.sql("SELECT count(*) FROM pulls") == [(0,)]
+
+
+def test_a_cached_blob_that_changed_or_is_misplaced_is_never_imported(two_blobs):
+    farm, key_b, proxy = two_blobs
+    key_a = farm.key
+    env = farm.edge_env(url=proxy.url)
+    first = ok_json(env, "pull", key_a, "--import")
+    assert first["downloaded"] is True
+    ok_json(env, "pull", key_b)
+    assert ok_json(env, "pull", key_a, "--import")["downloaded"] is False  # bound: as is
+    cached_a = farm.blob_cache / f"{key_a}.blob"
+
+    # Changed on disk (one byte, same size): hashed again, refused, downloaded afresh.
+    cached_a.chmod(0o644)
+    data = bytearray(cached_a.read_bytes())
+    data[-100] ^= 0xFF
+    cached_a.write_bytes(bytes(data))
+    again = ok_json(env, "pull", key_a, "--import")
+    assert again["downloaded"] is True and again["import_seconds"] > 0
+    assert cached_a.read_bytes() == stored(farm, key_a)
+
+    # Another key's blob, with its own signed manifest, placed under A's names.
+    for suffix in (".blob", ".manifest"):
+        target = farm.blob_cache / f"{key_a}{suffix}"
+        target.unlink()
+        shutil.copy2(farm.blob_cache / f"{key_b}{suffix}", target)
+    misplaced = ok_json(env, "pull", key_a, "--import")
+    assert misplaced["downloaded"] is True
+    assert cached_a.read_bytes() == stored(farm, key_a)
+
+    # A blob cached before manifests were kept (no manifest beside it) is hashed before use:
+    # the bytes of B left under A's name by the old agent are replaced.
+    (farm.blob_cache / f"{key_a}.manifest").unlink()
+    cached_a.unlink()
+    shutil.copyfile(farm.blob_cache / f"{key_b}.blob", cached_a)
+    old = ok_json(env, "pull", key_a, "--import")
+    assert old["downloaded"] is True and cached_a.read_bytes() == stored(farm, key_a)
+    assert proxy.downloads == [key_a, key_b, key_a, key_a, key_a]
+    assert cache_files(farm) == sorted(
+        f"{key}{suffix}" for key in (key_a, key_b) for suffix in (".blob", ".manifest")
+    )
+    pulls = farm.sql("SELECT ok FROM pulls WHERE cache_key = ?", key_a)
+    assert pulls == [(1,)] * 5
+
+
+@pytest.mark.parametrize(
+    ("redirect", "announce"),
+    [(False, True), (False, False), (True, True), (True, False)],
+    ids=["api-announced", "api-unannounced", "presigned-announced", "presigned-unannounced"],
+)
+def test_a_download_longer_than_its_signed_size_stops_there(two_blobs, redirect, announce):
+    farm, _, proxy = two_blobs
+    key = farm.key
+    size = len(stored(farm, key))
+    proxy.padding[key] = 32 * 2**20
+    proxy.redirect, proxy.announce = redirect, announce
+
+    def no_file_past_the_signed_size() -> None:
+        # One byte past the signed size anywhere is EFBIG: "no room", not the refusal below.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    env = farm.edge_env(url=proxy.url)
+    padded = run_farm(env, "pull", key, "--import", preexec_fn=no_file_past_the_signed_size)
+    assert padded.returncode == 5, padded.stderr
+    assert f"the download of blob {key} is longer than its signed {size} bytes" in padded.stderr
+    assert cache_files(farm) == [] and proxy.downloads == [key] * (2 if redirect else 1)
+    assert farm.sql("SELECT count(*) FROM pulls") == [(0,)]
+
+
+def test_the_genuine_path_through_the_proxy_imports_and_caches(two_blobs):
+    farm, _, proxy = two_blobs
+    env = farm.edge_env(url=proxy.url)
+    pulled = ok_json(env, "pull", str(farm.xml), "--device", "CPU", "--import")
+    assert pulled["cache_key"] == farm.key and pulled["downloaded"] is True
+    assert Path(pulled["path"]).read_bytes() == stored(farm, farm.key)
+    assert ok_json(env, "pull", farm.key, "--import")["downloaded"] is False
+    assert proxy.downloads == [farm.key]
