@@ -179,6 +179,9 @@ def print_blob(blob: dict) -> None:
         f"blob       {blob['target']}, OpenVINO {blob['openvino']}, "
         f"{size_text(blob['size_bytes'])}, sha256 {blob['sha256']}"
     )
+    npu_compiler = (blob.get("toolchain") or {}).get("npu_compiler")
+    if npu_compiler:
+        say(f"compiler   NPU compiler {npu_compiler}")
 
 
 @contextlib.contextmanager

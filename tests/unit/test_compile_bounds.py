@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from farm import toolchain
 from farm.core import errors
 from farm.core.config import Settings
 from farm.core.errors import SandboxUnavailable
@@ -129,6 +130,7 @@ def test_a_blob_over_its_limit_fails_the_job_before_anything_is_uploaded(
     expected = limit or 4 * ref.info.size_bytes + 256 * 2**20
     asked: list[int | None] = []
     monkeypatch.setattr(runner, "compile_in_child", oversized_compile(expected + 1, asked))
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)  # as it reports
     (tmp_path / "work").mkdir()
     limits = RunLimits(max_run_seconds=60, max_blob_bytes=limit)
     job = run_job(

@@ -10,8 +10,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
+from farm import toolchain
 from farm.core.clock import now
 from farm.core.errors import Forbidden, NotFound
+from farm.core.spec import Toolchain
 from farm.server.db.models import Blob
 from farm.server.jobs import runner, sandbox, service
 from farm.server.jobs.compiler import CompileResult
@@ -152,9 +154,11 @@ def fake_compile(on_compiled):
 
 
 def use_compile(monkeypatch, compile_in_child) -> None:
-    """Replace the sandboxed compile wherever the runner looks it up."""
+    """Replace the sandboxed compile wherever the runner looks it up, and this host's toolchain
+    with the one the stand-in reports (the jobs are submitted for it)."""
     monkeypatch.setattr(sandbox, "compile_in_child", compile_in_child)
     monkeypatch.setattr(runner, "compile_in_child", compile_in_child, raising=False)
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)
 
 
 class CancellingStore(LocalStore):
@@ -267,3 +271,19 @@ def test_joining_a_job_by_single_flight_gives_no_right_to_cancel_it(served_farm,
         with pytest.raises(Forbidden):
             service.cancel(session, joined.job_id, by="bob", as_admin=False)
     assert get_job(served_farm, first.job_id).state == "queued"
+
+
+def test_a_job_for_another_toolchain_fails_before_anything_is_compiled(
+    embedded_farm, queued_job, tmp_path, monkeypatch
+):
+    compiled: list[int] = []
+    use_compile(monkeypatch, fake_compile(lambda should_stop: compiled.append(1)))
+    other = Toolchain("1999.1.0", runtime_requirements="elsewhere")
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: other)
+    job = run(embedded_farm, embedded_farm.store, queued_job, tmp_path)
+    assert job.state == "failed" and compiled == []
+    assert job.error.startswith(
+        "this host's toolchain {'openvino': '1999.1.0', 'runtime_requirements': 'elsewhere'} "
+        "is not the job's"
+    )
+    assert "nothing was compiled" in job.error and blob_rows(embedded_farm) == []

@@ -155,6 +155,9 @@ def run_job(
 def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
     """Returns a function that records the outcome in a session (so recording is one place)."""
     spec = CompileSpec.from_canonical(job.target, job.spec)
+    mismatch = _toolchain_mismatch(job, spec.target)
+    if mismatch:  # before any byte is fetched or compiled
+        return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
     max_blob_bytes = blob_size_limit(model_row.size_bytes, limits.max_blob_bytes)
     try:
         with _work_disk(work_dir):
@@ -285,6 +288,23 @@ def _no_room(work_dir: Path, why: str) -> str:
     return (
         f"no room to compile in the worker's temporary directory {work_dir.parent} (TMPDIR): "
         f"{why}; free space there or point TMPDIR at a bigger disk"
+    )
+
+
+def _toolchain_mismatch(job: Job, target: Target) -> str | None:
+    """Why this host would not make the job's blob (another toolchain), checked before the
+    compile: routing sends a job only to workers of its toolchain, so this is a message sent
+    by hand to the wrong queue, or an embedded farm asked for a toolchain it lacks."""
+    # OpenVINO: loaded already in every process that runs jobs (the worker probed its targets
+    # before forking its pool; the embedded farm read the model); the answer is cached.
+    from farm import toolchain
+
+    here = toolchain.host_toolchain(target).key_part(target)
+    if here == job.toolchain:
+        return None
+    return (
+        f"this host's toolchain {here} is not the job's {job.toolchain}: nothing was compiled; "
+        f"the job needs a worker with that toolchain (farm workers)"
     )
 
 
