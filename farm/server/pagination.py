@@ -11,9 +11,6 @@ import base64
 import binascii
 from datetime import datetime
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from farm.core.errors import SpecError
 
 MAX_PAGE = 1000
@@ -64,16 +61,3 @@ def after_blob(cursor: str) -> tuple[datetime, int]:
         return datetime.fromisoformat(created_at), int(blob_id)
     except ValueError:
         raise InvalidCursor(f"cursor {cursor[:80]!r} is not a cursor of the blob list") from None
-
-
-NEXT_CURSOR_HEADER = "X-Next-Cursor"
-
-
-def link_next(request: Request, response: Response, cursor: str | None) -> None:
-    """Point an answer at its next page: `X-Next-Cursor` for scripts, and `Link: <...>;
-    rel="next"` (RFC 8288) with the same query and the cursor; nothing after the last page."""
-    if cursor is None:
-        return
-    response.headers[NEXT_CURSOR_HEADER] = cursor
-    url = request.url.include_query_params(cursor=cursor)
-    response.headers["Link"] = f'<{url}>; rel="next"'

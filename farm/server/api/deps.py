@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from farm.core.errors import ApiError, TokenExpired
@@ -90,3 +90,16 @@ PullCaller = Annotated[Caller, Depends(caller_with("pull"))]
 """A caller with at least the `pull` role (edges: resolve, download, report)."""
 SubmitCaller = Annotated[Caller, Depends(caller_with("submit"))]
 """A caller with at least the `submit` role."""
+
+
+NEXT_CURSOR_HEADER = "X-Next-Cursor"
+
+
+def link_next(request: Request, response: Response, cursor: str | None) -> None:
+    """Point an answer at its next page: `X-Next-Cursor` for scripts, and `Link: <...>;
+    rel="next"` (RFC 8288) with the same query and the cursor; nothing after the last page."""
+    if cursor is None:
+        return
+    response.headers[NEXT_CURSOR_HEADER] = cursor
+    url = request.url.include_query_params(cursor=cursor)
+    response.headers["Link"] = f'<{url}>; rel="next"'

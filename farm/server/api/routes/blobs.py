@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
-from farm.server.api.deps import Farm, PullCaller, SubmitCaller, known_query_only
+from farm.server.api.deps import Farm, PullCaller, SubmitCaller, known_query_only, link_next
 from farm.server.api.schemas import BlobOut, PullIn, Sha256, Text
 from farm.server.blobs import service
-from farm.server.pagination import MAX_PAGE, link_next
+from farm.server.pagination import MAX_PAGE
 from farm.server.storage import LocalPaths, Presigning
 from farm.server.views import blob_dict
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from farm.core.errors import ApiError, NotFound
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec, Toolchain
-from farm.server.api.deps import Dispatch, Farm, SubmitCaller, known_query_only
+from farm.server.api.deps import Dispatch, Farm, SubmitCaller, known_query_only, link_next
 from farm.server.api.schemas import (
     JobOut,
     SubmissionRequest,
@@ -22,7 +22,7 @@ from farm.server.api.schemas import (
 from farm.server.context import FarmContext
 from farm.server.db.models import Job
 from farm.server.jobs import service
-from farm.server.pagination import MAX_PAGE, job_cursor, link_next
+from farm.server.pagination import MAX_PAGE, job_cursor
 from farm.server.storage import BlobStore, model_storage_key
 from farm.server.views import job_view, log_view
 
