@@ -13,11 +13,12 @@ from celery import signals
 from farm import toolchain
 from farm.core import errors
 from farm.core.config import Settings
+from farm.core.errors import ServiceUnavailable
 from farm.core.logs import redact_logs
 from farm.core.spec import Target
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
-from farm.server.doctor import ServiceUnavailable, require_services, signing_check
+from farm.server.doctor import require_services, signing_check
 from farm.server.processes import die_with_parent, name_process
 
 from . import tasks

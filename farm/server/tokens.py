@@ -11,9 +11,9 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from farm.core.errors import TokenError, TokenExpired
+from farm.core.clock import now
+from farm.core.errors import NotFound, TokenError, TokenExpired
 from farm.server.db.models import ApiToken
-from farm.server.jobs.service import NotFound, now
 
 ROLES = ("pull", "submit", "admin")
 """Each role may do what the roles before it may do."""

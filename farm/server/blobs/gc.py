@@ -31,9 +31,10 @@ from sqlalchemy import case, delete, func, select
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
+from farm.core.errors import StorageError
 from farm.core.vocabulary import ACTIVE_STATES
 from farm.server.db.models import Blob, BlobDeletion, Job, Model, Pull
-from farm.server.storage import BlobStore, ListsObjects, StorageError, model_storage_key
+from farm.server.storage import BlobStore, ListsObjects, model_storage_key
 
 MODEL_GRACE_SECONDS = 24 * 3600
 """How old an unreferenced model file must be before gc deletes it (FARM_MODEL_GRACE_SECONDS)."""
