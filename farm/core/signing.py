@@ -42,6 +42,9 @@ MANIFEST_VERSION = 2
 MANIFEST_DOMAIN = b"farm-blob-manifest-v2\n"
 """Prefix of the signed bytes: a v2 signature can never be read as a v1 one, or the reverse."""
 
+REFERENCE_DOMAIN = b"farm-blob-reference-v1\n"
+"""Prefix of a reference signature's bytes: never readable as a manifest, or the reverse."""
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -138,6 +141,22 @@ def _strings(value: object, nullable: bool = False) -> bool:
     )
 
 
+def reference_message(
+    cache_key: str, blob_sha256: str, reference_sha256: str, reference_size: int
+) -> bytes:
+    """What a reference signature covers: the reference file's digest and size, bound to the
+    blob (its key and the sha256 of its bytes). A signature of its own, not a manifest field,
+    so the manifests that edges of every version check stay as they were (rolling upgrades)."""
+    return REFERENCE_DOMAIN + canonical_json(
+        {
+            "cache_key": cache_key,
+            "sha256": blob_sha256,
+            "reference_sha256": reference_sha256,
+            "reference_size": reference_size,
+        }
+    )
+
+
 def key_id(public: Ed25519PublicKey) -> str:
     """A short, stable name of a public key: sha256 of its raw bytes, 16 hex characters."""
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -163,6 +182,13 @@ class Signer:
     def sign_manifest(self, manifest: Manifest) -> str:
         """The v2 signature (base64) of the manifest: what edges of this version check."""
         return base64.b64encode(self.private.sign(manifest.message())).decode("ascii")
+
+    def sign_reference(
+        self, cache_key: str, blob_sha256: str, reference_sha256: str, reference_size: int
+    ) -> str:
+        """The signature (base64) binding a reference file to its blob."""
+        signed = reference_message(cache_key, blob_sha256, reference_sha256, reference_size)
+        return base64.b64encode(self.private.sign(signed)).decode("ascii")
 
     @classmethod
     def from_file(cls, path: Path) -> Signer:
@@ -228,6 +254,19 @@ class TrustedKeys:
                 )
             raise SignatureError(f"blob {key} is not signed; refusing to import it")
         self._check(key, signer_id, signature, manifest.message())
+
+    def verify_reference(self, blob: Mapping[str, Any]) -> None:
+        """Raise `SignatureError` unless a trusted key bound the record's reference file
+        (`reference_sha256`, `reference_size_bytes`) to its blob (`cache_key`, `sha256`)."""
+        key = str(blob.get("cache_key"))[:64]
+        digest, size = blob.get("reference_sha256"), blob.get("reference_size_bytes")
+        signature, signer_id = blob.get("reference_signature"), blob.get("signing_key_id")
+        if not (_hex64(digest) and _count(size)):
+            raise SignatureError(f"blob {key} has no reference outputs recorded")
+        if not signature or not signer_id:
+            raise SignatureError(f"the reference outputs of blob {key} are not signed")
+        signed = reference_message(key, str(blob.get("sha256")), str(digest), int(str(size)))
+        self._check(key, signer_id, signature, signed)
 
     def _check(self, cache_key: str, signer_id: str, signature: str, signed: bytes) -> None:
         if not isinstance(signer_id, str) or not isinstance(signature, str):

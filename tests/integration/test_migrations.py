@@ -12,7 +12,16 @@ from farm.server.db.session import (
     upgrade_database,
 )
 
-TABLES = {"models", "jobs", "blobs", "pulls", "workers", "api_tokens", "blob_deletions"}
+TABLES = {
+    "models",
+    "jobs",
+    "blobs",
+    "pulls",
+    "workers",
+    "api_tokens",
+    "blob_deletions",
+    "verifications",
+}
 
 
 def tables(url: str) -> set[str]:

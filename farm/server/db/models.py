@@ -111,6 +111,7 @@ class Model(Base):
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
+        *sha256_checks("reference_inputs"),
         *sha256_checks("cache_key"),
         CheckConstraint(
             "state IN ({})".format(", ".join(f"'{s}'" for s in JOB_STATES)), name="state"
@@ -194,6 +195,11 @@ class Job(Base):
     peak_rss_bytes: Mapped[int | None] = mapped_column(
         BigInteger, comment="Peak resident memory of the compiling process, bytes."
     )
+    reference_inputs: Mapped[str | None] = mapped_column(
+        String(64),
+        comment="sha256 of the submitter's reference inputs (.npz, stored with model files); "
+        "null: inputs seeded from the cache key.",
+    )
 
 
 class Blob(Base):
@@ -201,10 +207,19 @@ class Blob(Base):
     __table_args__ = (
         *sha256_checks("cache_key"),
         *sha256_checks("sha256"),
+        *sha256_checks("reference_sha256"),
+        CheckConstraint(
+            "(reference_sha256 IS NULL) = (reference_size_bytes IS NULL)",
+            name="reference_recorded_whole",
+        ),
+        CheckConstraint(
+            "(quarantined_at IS NULL) = (quarantine_reason IS NULL)", name="quarantine_has_reason"
+        ),
         {
             "comment": "A compiled blob in storage. Inserted once, after its upload is verified; "
-            "only its signature columns are updated, by `farm keys resign`; deleted only by "
-            "`farm gc` (recorded in blob_deletions)."
+            "only its signature columns are updated, by `farm keys resign`, and its quarantine, "
+            "by a failed verification or an admin; deleted by `farm gc` or a rebuild (recorded "
+            "in blob_deletions)."
         },
     )
 
@@ -254,6 +269,28 @@ class Blob(Base):
         "digests (farm/core/signing.py); edges check it. Null: unsigned, or signed before "
         "manifests (run `farm keys resign`).",
     )
+    reference_sha256: Mapped[str | None] = mapped_column(
+        String(64),
+        comment="sha256 of the reference file (inputs and CPU f32 outputs, .npz); null: none "
+        "(see reference_note).",
+    )
+    reference_size_bytes: Mapped[int | None] = mapped_column(BigInteger, comment="Its size, bytes.")
+    reference_signature: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Ed25519 signature (base64) by signing_key_id binding the reference file to the "
+        "blob (farm/core/signing.py reference_message).",
+    )
+    reference_note: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Why the blob has no reference outputs (too big for the worker's memory budget, "
+        "dynamic shapes, ...).",
+    )
+    quarantined_at: Mapped[datetime | None] = mapped_column(
+        comment="When it was quarantined (edges refuse it); null: not quarantined."
+    )
+    quarantine_reason: Mapped[str | None] = mapped_column(
+        Text, comment="Why: the failed verification (its id, device, errors) or the admin."
+    )
 
     model: Mapped[Model] = relationship(lazy="joined")
     """Its model (the digests of its files: an edge checks a weightless blob's .bin)."""
@@ -279,6 +316,62 @@ class Pull(Base):
     ok: Mapped[bool] = mapped_column(Boolean, comment="Imported successfully.")
     error: Mapped[str | None] = mapped_column(Text, comment="Why the import failed.")
     created_at: Mapped[datetime] = mapped_column(comment="Reported, UTC.")
+
+
+class Verification(Base):
+    __tablename__ = "verifications"
+    __table_args__ = (
+        *sha256_checks("cache_key"),
+        *sha256_checks("blob_sha256"),
+        CheckConstraint("runs >= 0", name="runs_counted"),
+        CheckConstraint("error IS NULL OR NOT passed", name="error_fails"),
+        Index("ix_verifications_blob_id", "blob_id"),
+        Index("ix_verifications_target_device", "target", "device_name"),
+        {
+            "comment": "One edge's run of a blob against its reference outputs. Inserted per "
+            "report; never updated; blob_id set null when the blob is deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    blob_id: Mapped[int | None] = mapped_column(
+        ForeignKey("blobs.id", ondelete="SET NULL"),
+        comment="The blob verified; null once it was deleted (history stays).",
+    )
+    cache_key: Mapped[str] = mapped_column(String(64), comment="Its cache key.")
+    blob_sha256: Mapped[str] = mapped_column(String(64), comment="sha256 of the bytes verified.")
+    target: Mapped[str] = mapped_column(String(16), comment="The blob's target.")
+    agent_id: Mapped[str] = mapped_column(Text, comment="The edge agent that ran it.")
+    device_name: Mapped[str] = mapped_column(
+        Text, comment="The device's full name (OpenVINO FULL_DEVICE_NAME)."
+    )
+    openvino_version: Mapped[str] = mapped_column(String(64), comment="The edge's OpenVINO.")
+    driver_version: Mapped[str | None] = mapped_column(
+        Text, comment="The NPU driver version (NPU_DRIVER_VERSION); null on CPU."
+    )
+    passed: Mapped[bool] = mapped_column(Boolean, comment="Every output within tolerance.")
+    max_abs_error: Mapped[float | None] = mapped_column(
+        Float, comment="Worst absolute error, any output."
+    )
+    mean_abs_error: Mapped[float | None] = mapped_column(
+        Float, comment="Worst mean absolute error."
+    )
+    min_cosine: Mapped[float | None] = mapped_column(Float, comment="Lowest cosine similarity.")
+    tolerance: Mapped[dict[str, Any]] = mapped_column(comment="{atol, rtol, min_cosine} applied.")
+    outputs: Mapped[list[Any]] = mapped_column(JSON, comment="Per output: name and figures.")
+    runs: Mapped[int] = mapped_column(Integer, comment="Timed inferences.")
+    latency_p50_ms: Mapped[float | None] = mapped_column(Float, comment="Median latency, ms.")
+    latency_p90_ms: Mapped[float | None] = mapped_column(Float, comment="p90 latency, ms.")
+    latency_min_ms: Mapped[float | None] = mapped_column(Float, comment="Best latency, ms.")
+    import_seconds: Mapped[float | None] = mapped_column(Float, comment="import_model time, s.")
+    peak_rss_bytes: Mapped[int | None] = mapped_column(
+        BigInteger,
+        comment="The edge process's peak resident memory during the verification.",
+    )
+    error: Mapped[str | None] = mapped_column(
+        Text, comment="Why it could not run (import or inference failed); null when it ran."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="Reported.")
 
 
 class Worker(Base):
