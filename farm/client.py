@@ -222,9 +222,27 @@ class FarmClient:
         past `max_bytes` (the blob's signed size): a body announced or found longer is an
         `IntegrityMismatch`, and `dest` is removed.
         """
+        return self._download(
+            f"/v1/blobs/{cache_key}/download", cache_key, dest, progress, max_bytes
+        )
+
+    def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str:
+        """The blob's reference outputs file to `dest` (no longer than its signed size); its
+        sha256."""
+        dest.unlink(missing_ok=True)
+        path = f"/v1/blobs/{cache_key}/reference"
+        return self._download(path, cache_key, dest, None, max_bytes)
+
+    def _download(
+        self,
+        path: str,
+        cache_key: str,
+        dest: Path,
+        progress: Progress | None,
+        max_bytes: int | None,
+    ) -> str:
         start = dest.stat().st_size if dest.exists() else 0
         ranged = {"Range": f"bytes={start}-"} if start else {}
-        path = f"/v1/blobs/{cache_key}/download"
         try:
             with self.http.stream("GET", path, headers=ranged, follow_redirects=False) as response:
                 if not response.is_redirect:
@@ -254,6 +272,19 @@ class FarmClient:
             f"/v1/blobs/{cache_key}/pulls",
             json={"agent_id": agent_id, "ok": ok, "import_seconds": import_seconds, "error": error},
         )
+
+    def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict:
+        """`{"id", "passed", "quarantined"}`: a failed report quarantines the blob."""
+        return self._call("POST", f"/v1/blobs/{cache_key}/verifications", json=report)
+
+    def verifications(self, cache_key: str, limit: int = 100) -> list[dict]:
+        return self._call("GET", f"/v1/blobs/{cache_key}/verifications", params={"limit": limit})
+
+    def quarantine(self, cache_key: str, reason: str) -> dict:
+        return self._call("POST", f"/v1/blobs/{cache_key}/quarantine", json={"reason": reason})
+
+    def release(self, cache_key: str) -> dict:
+        return self._call("POST", f"/v1/blobs/{cache_key}/release")
 
 
 @contextlib.contextmanager

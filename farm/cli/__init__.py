@@ -11,4 +11,4 @@ def main() -> None:
     """farm: compile OpenVINO models once, import the blobs everywhere."""
 
 
-from farm.cli import edge, jobs, keys, ops, toolchain  # noqa: E402,F401  (registers the commands)
+from farm.cli import edge, jobs, keys, ops, toolchain, verify  # noqa: E402,F401  (registers)

@@ -33,6 +33,8 @@ EXIT_COMPILER_UNAVAILABLE = 4
 EXIT_INFRASTRUCTURE = 5
 EXIT_UNAUTHORIZED = 6
 EXIT_GAVE_UP = 7
+EXIT_REJECTED = 9
+"""The blob does not compute its reference numbers (farm verify), or is quarantined."""
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -71,6 +73,7 @@ EXIT_CODES: dict[Kind, int] = {
     Kind.RATE_LIMITED: EXIT_INFRASTRUCTURE,
     Kind.JOB_FAILED: EXIT_JOB_FAILED,
     Kind.GAVE_UP: EXIT_GAVE_UP,
+    Kind.REJECTED: EXIT_REJECTED,
 }
 """The exit code of each kind of error (README "Exit codes"): the CLI's one table."""
 

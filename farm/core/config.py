@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     """Largest blob one compile may write; a compile past it fails its job and stores nothing.
     Default: 4 times the model's bytes plus 256 MiB (a few KB of IR can broadcast a constant to
     GBs at compile time)."""
+    reference_outputs: bool = True
+    """Run each compiled model's source on CPU in f32 and store its outputs beside the blob, for
+    `farm verify` on the edges. Skipped (with the reason recorded) for a model too large for
+    compile_memory_bytes; false: never."""
     compile_user: str | None = None
     """User (name or uid) the compile child runs as when the worker runs as root; default
     ``nobody``. ``root`` keeps root (not recommended: the child parses untrusted models)."""

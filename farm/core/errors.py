@@ -44,6 +44,9 @@ class Kind(enum.Enum):
     """A job ran and did not produce its blob (cancelled, timed out)."""
     GAVE_UP = "gave_up"
     """The caller stopped waiting; what it waited for goes on (a job no worker took yet)."""
+    REJECTED = "rejected"
+    """The blob does not compute its reference numbers: a verification outside tolerance, or
+    a blob quarantined because one was."""
 
 
 class FarmError(Exception):
@@ -137,6 +140,13 @@ class BlobNotAvailable(FarmError, LookupError):
     kind, code = Kind.NOT_FOUND, "blob_not_available"
 
 
+class Conflict(FarmError):
+    """The request contradicts the farm's current state (a report about bytes since replaced,
+    a rebuild of a blob that is not quarantined)."""
+
+    kind, code = Kind.CONFLICT, "conflict"
+
+
 class ModelMissing(FarmError, LookupError):
     """The store lacks model files a new job needs; upload them and submit again."""
 
@@ -183,6 +193,18 @@ class SignatureError(FarmError):
     """A blob record that is unsigned, signed by an untrusted key, or whose signature fails."""
 
     kind, code = Kind.INTEGRITY, "signature_invalid"
+
+
+class BlobQuarantined(FarmError):
+    """The blob failed a verification somewhere (or an admin quarantined it): not imported."""
+
+    kind, code = Kind.REJECTED, "quarantined"
+
+
+class VerificationFailed(FarmError):
+    """The blob's outputs on this device are outside the tolerance of its reference."""
+
+    kind, code = Kind.REJECTED, "verification_failed"
 
 
 class ModelFileCorrupt(IntegrityMismatch):

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -77,8 +77,9 @@ class Reference:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
         }
+        arrays[_META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         buffer = io.BytesIO()
-        np.savez(buffer, **arrays, **{_META: np.frombuffer(json.dumps(meta).encode(), np.uint8)})
+        np.savez(buffer, **arrays)
         return buffer.getvalue()
 
     def save(self, path: Path) -> Path:
@@ -86,7 +87,7 @@ class Reference:
         return Path(path)
 
     @classmethod
-    def load(cls, path: Path) -> Reference:
+    def load(cls, path: Path | BinaryIO) -> Reference:
         """Read a reference file, refusing anything but this format (no pickles, ever)."""
         try:
             with np.load(path, allow_pickle=False) as archive:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from farm.core import hashing
 from farm.core.errors import (
     ApiError,
+    BlobQuarantined,
     DiskFull,
     Incompatible,
     IntegrityMismatch,
@@ -71,6 +72,12 @@ class BlobSource(Protocol):
         import_seconds: float | None = None,
         error: str | None = None,
     ) -> Any: ...
+
+    def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str | None:
+        """Write the blob's reference outputs file to `dest` (`farm verify`)."""
+        ...
+
+    def report_verification(self, cache_key: str, report: dict[str, Any]) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -128,13 +135,16 @@ class EdgeAgent:
         trust: TrustedKeys | None,
         agent_id: str | None = None,
         toolchain: Callable[[Target], Toolchain] | None = None,
+        allow_quarantined: bool = False,
     ) -> None:
-        """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs."""
+        """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs.
+        `allow_quarantined`: import blobs the farm quarantined (a failed verification) too."""
         self.source = source
         self.cache = cache
         self.trust = trust
         self.agent_id = agent_id or default_agent_id()
         self.toolchain = toolchain or host_toolchain
+        self.allow_quarantined = allow_quarantined
 
     def resolve(self, cache_key: str) -> dict:
         blob = self.source.resolve(cache_key)
@@ -148,6 +158,13 @@ class EdgeAgent:
         a trusted key signed its manifest, and this machine can import it. Returns the
         manifest: everything after this acts on its fields only."""
         _same_key(cache_key or str(blob.get("cache_key")), blob)
+        if blob.get("quarantined_at") and not self.allow_quarantined:
+            raise BlobQuarantined(
+                f"blob {blob['cache_key']} is quarantined by the farm: "
+                f"{blob.get('quarantine_reason')}; nothing was downloaded (an admin releases "
+                "it with `farm blobs release`, or resubmit with --rebuild; --allow-quarantined "
+                "imports it anyway)"
+            )
         manifest = Manifest.from_record(blob)
         if self.trust is not None:
             self.trust.verify_manifest(

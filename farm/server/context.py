@@ -82,6 +82,7 @@ class FarmContext:
             settings.resolved_compile_memory_bytes,
             max_blob_bytes=settings.max_blob_bytes,
             compile_user=settings.compile_user,
+            reference_outputs=settings.reference_outputs,
         )
 
     @cached_property

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from farm.server import routing
-from farm.server.db.models import Blob, Job, Worker
+from farm.server.db.models import Blob, Job, Verification, Worker
 
 
 def job_dict(job: Job) -> dict[str, Any]:
@@ -54,6 +54,36 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
         "compile_seconds": blob.compile_seconds,
         "export_seconds": blob.export_seconds,
         "created_at": blob.created_at,
+        "reference_sha256": blob.reference_sha256,
+        "reference_size_bytes": blob.reference_size_bytes,
+        "reference_signature": blob.reference_signature,
+        "reference_note": blob.reference_note,
+        "quarantined_at": blob.quarantined_at,
+        "quarantine_reason": blob.quarantine_reason,
+    }
+
+
+def verification_dict(verification: Verification) -> dict[str, Any]:
+    return {
+        "id": verification.id,
+        "cache_key": verification.cache_key,
+        "blob_sha256": verification.blob_sha256,
+        "target": verification.target,
+        "agent_id": verification.agent_id,
+        "device_name": verification.device_name,
+        "openvino_version": verification.openvino_version,
+        "driver_version": verification.driver_version,
+        "passed": verification.passed,
+        "max_abs_error": verification.max_abs_error,
+        "mean_abs_error": verification.mean_abs_error,
+        "min_cosine": verification.min_cosine,
+        "runs": verification.runs,
+        "latency_p50_ms": verification.latency_p50_ms,
+        "latency_p90_ms": verification.latency_p90_ms,
+        "latency_min_ms": verification.latency_min_ms,
+        "import_seconds": verification.import_seconds,
+        "error": verification.error,
+        "created_at": verification.created_at,
     }
 
 

@@ -25,7 +25,7 @@ from farm.core.identity import ModelRef
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
-from farm.server.blobs import gc, resign
+from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
@@ -34,7 +34,15 @@ from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
-from farm.server.views import blob_dict, job_dict, job_view, log_view, workers_view
+from farm.server.storage import reference_storage_key
+from farm.server.views import (
+    blob_dict,
+    job_dict,
+    job_view,
+    log_view,
+    verification_dict,
+    workers_view,
+)
 
 
 class Direct:
@@ -179,6 +187,36 @@ class Direct:
     ) -> None:
         with self._session() as session:
             blobs.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
+
+    def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> None:
+        """Copy the stored reference file to `dest` (the edge agent checks size and digest)."""
+        with self._session() as session:
+            blob = blobs.require(session, cache_key)
+            if blob.reference_sha256 is None:
+                raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
+        self.farm.store.get_file(reference_storage_key(cache_key), dest)
+
+    def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
+        fields = dict(report)
+        with self._session() as session:
+            row, quarantined = verifications.record_verification(
+                session, cache_key, fields.pop("blob_sha256"), fields
+            )
+            return {"id": row.id, "passed": row.passed, "quarantined": quarantined}
+
+    def verifications(self, cache_key: str, limit: int = 100) -> list[dict[str, Any]]:
+        with self._session() as session:
+            rows = verifications.verifications_of(session, cache_key, limit)
+            return [verification_dict(row) for row in rows]
+
+    def quarantine(self, cache_key: str, reason: str) -> dict[str, Any]:
+        with self._session() as session:
+            blob = verifications.quarantine(session, cache_key, f"{reason} (by {_operator()})")
+            return blob_dict(blob)
+
+    def release(self, cache_key: str) -> dict[str, Any]:
+        with self._session() as session:
+            return blob_dict(verifications.release(session, cache_key))
 
     # --- operators -----------------------------------------------------------------------------
 

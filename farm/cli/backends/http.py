@@ -77,5 +77,20 @@ class Http:
     ) -> Any:
         return self.client.report_pull(cache_key, agent_id, ok, import_seconds, error)
 
+    def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str | None:
+        return self.client.download_reference(cache_key, dest, max_bytes)
+
+    def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
+        return self.client.report_verification(cache_key, report)
+
+    def verifications(self, cache_key: str, limit: int = 100) -> list[dict[str, Any]]:
+        return self.client.verifications(cache_key, limit)
+
+    def quarantine(self, cache_key: str, reason: str) -> dict[str, Any]:
+        return self.client.quarantine(cache_key, reason)
+
+    def release(self, cache_key: str) -> dict[str, Any]:
+        return self.client.release(cache_key)
+
     def close(self) -> None:
         self.client.close()

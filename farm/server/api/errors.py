@@ -36,6 +36,7 @@ HTTP_STATUS: dict[Kind, int] = {
     Kind.RATE_LIMITED: 429,
     Kind.JOB_FAILED: 409,
     Kind.GAVE_UP: 504,
+    Kind.REJECTED: 409,
 }
 """The HTTP status of each kind of error: the API's one table."""
 

@@ -150,6 +150,16 @@ class BlobOut(BaseModel):
     compile_seconds: float | None
     export_seconds: float | None
     created_at: datetime
+    reference_sha256: str | None = None
+    """sha256 of the reference outputs file (GET .../reference); null: none, see the note."""
+    reference_size_bytes: int | None = None
+    reference_signature: str | None = None
+    """Ed25519 signature by signing_key_id binding the reference file to this blob."""
+    reference_note: str | None = None
+    """Why the blob has no reference outputs."""
+    quarantined_at: datetime | None = None
+    """Set: a verification failed (or an admin quarantined it); edges refuse it."""
+    quarantine_reason: str | None = None
 
 
 class PullIn(Strict):
@@ -157,6 +167,37 @@ class PullIn(Strict):
     ok: bool
     import_seconds: float | None = Field(None, ge=0, le=86400)
     error: Annotated[Text, StringConstraints(max_length=4000)] | None = None
+
+
+Figure = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class VerificationIn(Strict):
+    """An edge's run of a blob against its reference outputs (`farm verify`)."""
+
+    blob_sha256: Sha256
+    """sha256 of the bytes it ran: a report about a blob since rebuilt is refused (409)."""
+    agent_id: Name
+    device_name: Annotated[Text, StringConstraints(max_length=256)]
+    openvino_version: Annotated[Text, StringConstraints(max_length=64)]
+    driver_version: Annotated[Text, StringConstraints(max_length=128)] | None = None
+    passed: bool
+    max_abs_error: Figure | None = None
+    mean_abs_error: Figure | None = None
+    min_cosine: Annotated[float, Field(ge=-1, le=1, allow_inf_nan=False)] | None = None
+    tolerance: dict[Annotated[str, StringConstraints(max_length=32)], Figure] = Field(max_length=8)
+    outputs: list[dict[str, Any]] = Field(max_length=256)
+    runs: int = Field(ge=0, le=1_000_000)
+    latency_p50_ms: Figure | None = None
+    latency_p90_ms: Figure | None = None
+    latency_min_ms: Figure | None = None
+    import_seconds: Figure | None = None
+    peak_rss_bytes: int | None = Field(None, ge=0)
+    error: Annotated[Text, StringConstraints(max_length=4000)] | None = None
+
+
+class QuarantineIn(Strict):
+    reason: Annotated[Text, StringConstraints(min_length=1, max_length=1000)]
 
 
 class WorkerOut(BaseModel):

@@ -39,3 +39,15 @@ def sign_row(blob: Blob, signer: Signer | None, model: Mapping[str, str] | None 
     blob.manifest_signature = signer.sign_manifest(manifest_of(blob, model))
     blob.signing_key_id = signer.key_id
     return blob
+
+
+def sign_reference(blob: Blob, signer: Signer | None) -> Blob:
+    """Set `reference_signature`, binding the row's reference file to its blob (null without a
+    signer or without a reference)."""
+    if signer is None or blob.reference_sha256 is None or blob.reference_size_bytes is None:
+        blob.reference_signature = None
+        return blob
+    blob.reference_signature = signer.sign_reference(
+        blob.cache_key, blob.sha256, blob.reference_sha256, blob.reference_size_bytes
+    )
+    return blob

@@ -42,13 +42,21 @@ from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.core.vocabulary import JobState
-from farm.server.blobs.signatures import sign_row
+from farm.server.blobs.signatures import sign_reference, sign_row
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
-from farm.server.jobs.sandbox import blob_limit_message, compile_in_child
+from farm.server.jobs.reference import skip_reason
+from farm.server.jobs.sandbox import blob_limit_message, compile_in_child, reference_in_child
 from farm.server.memory import release_free_memory
-from farm.server.storage import BlobStore, LocalPaths, blob_storage_key, model_storage_key
+from farm.server.storage import (
+    BlobStore,
+    LocalPaths,
+    StoredObject,
+    blob_storage_key,
+    model_storage_key,
+    reference_storage_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,16 @@ class RunLimits:
     """Size limit of a blob; None: `blob_size_limit`'s default, from the model's size."""
     compile_user: str | None = None
     """Who compiles when the worker runs as root (`sandbox.compile_identity`; None: nobody)."""
+    reference_outputs: bool = True
+    """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
+
+
+@dataclass(frozen=True)
+class ReferenceFile:
+    """The reference outputs computed for a blob, or why there are none."""
+
+    path: Path | None
+    note: str | None
 
 
 def blob_size_limit(model_bytes: int, max_blob_bytes: int | None = None) -> int:
@@ -162,6 +180,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
     try:
         with _work_disk(work_dir):
             files = _fetch_model(store, model_row, work_dir, model_cache)
+            inputs = _fetch_inputs(store, job, work_dir, model_cache)
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
         corrupt = str(error)
@@ -182,6 +201,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
             )
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
+        reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits)
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
@@ -195,10 +215,46 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
             session, job, JobState.FAILED, error=message, log_text=log_text
         )
     stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
+    stored_reference = None
+    if reference.path is not None:
+        stored_reference = store.put_file(reference_storage_key(job.cache_key), reference.path)
     release_free_memory()
     return lambda session: _record_blob(
-        session, store, job, model_row, result, stored, output, signer
+        session,
+        store,
+        job,
+        model_row,
+        result,
+        stored,
+        output,
+        signer,
+        (stored_reference, reference.note),
     )
+
+
+def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> ReferenceFile:
+    """The blob's reference outputs, computed in a child after the compile's child has ended
+    (their memory peaks never add up); skipped, with the reason kept, when the model is too
+    large for the compile memory limit or the run fails (a blob without one is still a blob)."""
+    if not limits.reference_outputs:
+        return ReferenceFile(None, "no reference outputs: FARM_REFERENCE_OUTPUTS is off")
+    too_large = skip_reason(model_row.size_bytes, limits.memory_bytes)
+    if too_large:
+        return ReferenceFile(None, too_large)
+    release_free_memory()
+    with _work_disk(work_dir):
+        path, note = reference_in_child(
+            files,
+            spec,
+            work_dir / "reference",
+            job.cache_key,
+            inputs_path=inputs,
+            timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
+            compile_user=limits.compile_user,
+            should_stop=lease.should_stop,
+        )
+    return ReferenceFile(path, note)
 
 
 def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
@@ -215,25 +271,41 @@ def _fetch_model(
     """Model files as paths the compiler can read: the store's own files when it is local,
     else from this host's model cache, fetched into it once."""
     suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
-    files = {}
-    for role, sha in model_row.files.items():
-        key, local = model_storage_key(sha), work_dir / f"model{suffix[role]}"
-        stored = store.local_path(key) if isinstance(store, LocalPaths) else None
-        if stored is None and model_cache is not None:
-            try:
-                link_model_file(model_cache, store, key, sha, local)
-            except IntegrityMismatch:
-                _condemn(store, key, sha, role)
-        elif stored is None:
-            store.get_file(key, local)
-            if sha256_file(local) != sha:
-                _condemn(store, key, sha, role)
-        else:
-            # A link, not the store's own path: a model may name files relative to itself
-            # (ONNX external data), and beside it must be its own folder, not other models.
-            local.symlink_to(stored)
-        files[role] = local
-    return files
+    return {
+        role: _fetch_file(store, sha, work_dir / f"model{suffix[role]}", model_cache, role)
+        for role, sha in model_row.files.items()
+    }
+
+
+def _fetch_inputs(
+    store: BlobStore, job: Job, work_dir: Path, model_cache: BlobCache | None
+) -> Path | None:
+    """The submitter's reference inputs (`farm submit --inputs`), stored like a model file."""
+    if job.reference_inputs is None:
+        return None
+    local = work_dir / "reference-inputs.npz"
+    return _fetch_file(store, job.reference_inputs, local, model_cache, "reference inputs")
+
+
+def _fetch_file(
+    store: BlobStore, sha: str, local: Path, model_cache: BlobCache | None, role: str
+) -> Path:
+    key = model_storage_key(sha)
+    stored = store.local_path(key) if isinstance(store, LocalPaths) else None
+    if stored is None and model_cache is not None:
+        try:
+            link_model_file(model_cache, store, key, sha, local)
+        except IntegrityMismatch:
+            _condemn(store, key, sha, role)
+    elif stored is None:
+        store.get_file(key, local)
+        if sha256_file(local) != sha:
+            _condemn(store, key, sha, role)
+    else:
+        # A link, not the store's own path: a model may name files relative to itself
+        # (ONNX external data), and beside it must be its own folder, not other models.
+        local.symlink_to(stored)
+    return local
 
 
 def _condemn(store: BlobStore, key: str, sha256: str, role: str) -> NoReturn:
@@ -342,6 +414,7 @@ def _record_blob(
     stored,
     output: str,
     signer,
+    reference: tuple[StoredObject | None, str | None] = (None, None),
 ):
     """`succeeded` and the blob row in one transaction, unless the job was cancelled while it
     finished: then the job ends cancelled and the object it stored is deleted (when no blob
@@ -357,7 +430,7 @@ def _record_blob(
             finished_at=at,
             lease_expires_at=None,
             peak_rss_bytes=result.peak_rss_bytes,
-            log=_job_log(result, output),
+            log=_job_log(result, output, _reference_line(reference)),
             **timings,
         ),
     )
@@ -389,6 +462,11 @@ def _record_blob(
             )
         )
         sign_row(blob, signer, model_row.files)  # the manifest of the row's own fields
+        stored_reference, blob.reference_note = reference
+        if stored_reference is not None:
+            blob.reference_sha256 = stored_reference.sha256
+            blob.reference_size_bytes = stored_reference.size
+            sign_reference(blob, signer)
     session.commit()
     return session.get(Job, job.id, populate_existing=True)
 
@@ -436,13 +514,22 @@ def _failure_log(spec: CompileSpec, message: str, output: str) -> str:
     return "\n".join(lines)
 
 
-def _job_log(result, output: str) -> str:
+def _reference_line(reference: tuple[StoredObject | None, str | None]) -> str:
+    stored, note = reference
+    if stored is None:
+        return note or "no reference outputs"
+    return f"reference outputs: {stored.key}, {stored.size} bytes, sha256 {stored.sha256}"
+
+
+def _job_log(result, output: str, reference_line: str = "") -> str:
     lines = [f"{key}={value}" for key, value in sorted(result.properties.items())]
     lines.append(f"toolchain={result.toolchain.as_dict()}")
     lines.append(
         f"compile {result.compile_seconds:.3f}s, export {result.export_seconds:.3f}s, "
         f"peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB, blob {result.size_bytes} bytes"
     )
+    if reference_line:
+        lines.append(reference_line)
     if output.strip():
         lines += ["--- compiler output ---", output.rstrip()]
     return "\n".join(lines)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import json
 import os
 import pwd
@@ -54,10 +55,12 @@ from pathlib import Path
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
-from farm.core.spec import CompileSpec, Toolchain
+from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.processes import die_with_parent as _die_with_parent
 
 POLL_SECONDS = 0.5
+CPU = Target.parse("CPU")
+"""Where reference outputs are computed, whatever the blob's target."""
 LOG_TAIL_BYTES = 64 * 1024
 """How much of the compiler's output is kept for the job log."""
 _MEMORY_SIGNS = (
@@ -173,6 +176,68 @@ def compile_in_child(
     result["size_bytes"] = blob.stat().st_size
     result["toolchain"] = Toolchain(**result["toolchain"])
     return compiler.CompileResult(**result), output
+
+
+def reference_in_child(
+    files: Mapping[str, Path],
+    spec: CompileSpec,
+    out_dir: Path,
+    cache_key: str,
+    *,
+    inputs_path: Path | None = None,
+    timeout_seconds: float,
+    memory_bytes: int | None = None,
+    compile_user: str | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[Path | None, str | None]:
+    """Compute the reference outputs of `spec`'s blob in a child process with the compile's
+    limits (time, memory, user, environment): ``(out_dir/<cache_key>.npz, None)``, or
+    ``(None, why not)``. It never fails the job: a blob without a reference is still a blob.
+    `should_stop` True kills the child (CompileCancelled), as for the compile."""
+    identity = compile_identity(compile_user)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    request = out_dir.parent / f"{cache_key}.reference.json"
+    result_path = out_dir.parent / f"{cache_key}.reference-result.json"
+    log_path = out_dir.parent / f"{cache_key}.reference.log"
+    result_path.unlink(missing_ok=True)
+    box = _make_box(out_dir, identity)
+    try:
+        staged = {
+            role: _stage(Path(path), box / f"model.{role}", identity)
+            for role, path in files.items()
+        }
+        inputs = _stage(inputs_path, box / "inputs.npz", identity) if inputs_path else None
+        request.write_text(
+            json.dumps(
+                {
+                    "task": "reference",
+                    "files": {role: str(path) for role, path in staged.items()},
+                    "target": spec.target.name,
+                    "spec": spec.canonical(),
+                    "out_dir": str(box),
+                    "blob_id": cache_key,
+                    "inputs": str(inputs) if inputs else None,
+                    "memory_bytes": memory_bytes,
+                    "run_as": identity,
+                }
+            )
+        )
+        returncode, timed_out = _run_child(
+            request, result_path, log_path, box, timeout_seconds, should_stop
+        )
+        if timed_out:
+            return None, f"no reference outputs: the CPU run took over {timeout_seconds:.0f} s"
+        result = _read_result(result_path)
+        if result is None:
+            death = _death(returncode, _tail(log_path), memory_bytes, None)
+            return None, f"no reference outputs: {death}"
+        if "skipped" in result:
+            return None, str(result["skipped"])
+        made = out_dir / f"{cache_key}.npz"
+        shutil.copyfile(box / f"{cache_key}.npz", made)
+        return made, None
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
 
 
 def _run_child(
@@ -443,7 +508,7 @@ frontend libraries, which the child, switched to the compile user, may not be ab
 again."""
 
 
-def _load_openvino(spec: CompileSpec, roles: set[str]) -> None:
+def _load_openvino(target: Target, roles: set[str]) -> None:
     """Load the target's plugin and the model format's frontend while the child is still the
     worker's user; best effort: what fails here fails again, with its real error, in the
     compile (an allocation the memory limit refuses, a plugin this host lacks)."""
@@ -454,11 +519,21 @@ def _load_openvino(spec: CompileSpec, roles: set[str]) -> None:
     with contextlib.suppress(Exception):
         core = ov.Core()
         _LOADED.append(core)
-        core.get_versions(device_name(spec.target))
+        core.get_versions(device_name(target))
     with contextlib.suppress(Exception):
         manager = ov.frontend.FrontEndManager()
         _LOADED.append(manager)
         _LOADED.append(manager.load_by_framework("onnx" if "onnx" in roles else "ir"))
+
+
+def _load_reference_code() -> None:
+    """Import what a reference run needs (numpy.random, zipfile, ...) while still the worker's
+    user: the compile user may not be able to read the Python installation (under /root)."""
+    from farm.core.reference import InputSpec, Reference, seeded_inputs
+    from farm.server.jobs import reference  # noqa: F401
+
+    made = seeded_inputs("0" * 64, [InputSpec("x", (1,), "float32"), InputSpec("i", (1,), "int64")])
+    Reference.load(io.BytesIO(Reference(made, made).to_bytes()))
 
 
 def _become(uid: int, gid: int, parent: int) -> None:
@@ -494,7 +569,10 @@ def _child_main(request_path: str, result_path: str) -> int:
 
     spec = CompileSpec.from_canonical(request["target"], request["spec"])
     files = {role: Path(path) for role, path in request["files"].items()}
-    _load_openvino(spec, set(files))
+    reference = request.get("task") == "reference"
+    _load_openvino(CPU if reference else spec.target, set(files))
+    if reference:
+        _load_reference_code()
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
@@ -506,7 +584,10 @@ def _child_main(request_path: str, result_path: str) -> int:
         )
         payload: dict = {"error": code, "message": message}
     else:
-        payload = _compile(compiler, files, spec, request, memory_bytes)
+        if reference:
+            payload = _reference(files, spec, request)
+        else:
+            payload = _compile(compiler, files, spec, request, memory_bytes)
     result.write(json.dumps(payload))
     result.close()
     return 0
@@ -530,6 +611,21 @@ def _compile(compiler, files, spec: CompileSpec, request: dict, memory_bytes: in
         if error.__cause__ is not None:
             print(f"OpenVINO: {error.__cause__}", file=sys.stderr)
     return payload
+
+
+def _reference(files, spec: CompileSpec, request: dict) -> dict:
+    from farm.server.jobs.reference import ReferenceSkipped, compute_reference
+
+    out = Path(request["out_dir"]) / f"{request['blob_id']}.npz"
+    inputs = Path(request["inputs"]) if request.get("inputs") else None
+    try:
+        compute_reference(files, spec, request["blob_id"], out, inputs)
+    except ReferenceSkipped as skipped:
+        return {"skipped": str(skipped)}
+    except (errors.FarmError, MemoryError) as error:
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        return {"skipped": f"no reference outputs: {error or 'out of memory'}"}
+    return {"reference": str(out)}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ def blob_storage_key(cache_key: str) -> str:
     return f"blobs/{cache_key}.blob"
 
 
+def reference_storage_key(cache_key: str) -> str:
+    """The blob's reference outputs (`farm.core.reference`): inputs and CPU f32 outputs."""
+    return f"references/{cache_key}.npz"
+
+
 @dataclass(frozen=True)
 class StoredObject:
     key: str

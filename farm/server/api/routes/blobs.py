@@ -7,12 +7,20 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
-from farm.server.api.deps import Farm, PullCaller, SubmitCaller, known_query_only, link_next
-from farm.server.api.schemas import BlobOut, PullIn, Sha256, Text
-from farm.server.blobs import service
+from farm.core.errors import NotFound
+from farm.server.api.deps import (
+    AdminCaller,
+    Farm,
+    PullCaller,
+    SubmitCaller,
+    known_query_only,
+    link_next,
+)
+from farm.server.api.schemas import BlobOut, PullIn, QuarantineIn, Sha256, Text, VerificationIn
+from farm.server.blobs import service, verifications
 from farm.server.pagination import MAX_PAGE
-from farm.server.storage import LocalPaths, Presigning
-from farm.server.views import blob_dict
+from farm.server.storage import LocalPaths, Presigning, reference_storage_key
+from farm.server.views import blob_dict, verification_dict
 
 router = APIRouter(tags=["blobs"], dependencies=[Depends(known_query_only)])
 
@@ -52,16 +60,37 @@ def download(cache_key: Sha256, farm: Farm, _: PullCaller) -> RedirectResponse |
     """A presigned URL (S3), or the file itself with HTTP Range support (local store)."""
     with farm.session() as session:
         blob = service.require(session, cache_key)
+    return _object(farm, blob.storage_key, f"{cache_key}.blob", blob.sha256)
+
+
+@router.get(
+    "/v1/blobs/{cache_key}/reference",
+    response_model=None,
+    responses={307: {"description": "Redirect to a presigned URL"}, 404: {}},
+)
+def download_reference(
+    cache_key: Sha256, farm: Farm, _: PullCaller
+) -> RedirectResponse | FileResponse:
+    """The blob's reference outputs (inputs and CPU f32 outputs, `.npz`): 404 when it has none
+    (its record's `reference_note` says why)."""
+    with farm.session() as session:
+        blob = service.require(session, cache_key)
+    if blob.reference_sha256 is None:
+        raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
+    key = reference_storage_key(cache_key)
+    return _object(farm, key, f"{cache_key}.npz", blob.reference_sha256)
+
+
+def _object(farm, key: str, filename: str, sha256: str) -> RedirectResponse | FileResponse:
     store = farm.store
     if isinstance(store, Presigning):
-        url = store.presigned_url(blob.storage_key, farm.settings.presign_seconds)
-        return RedirectResponse(url, 307)
+        return RedirectResponse(store.presigned_url(key, farm.settings.presign_seconds), 307)
     assert isinstance(store, LocalPaths), "a store either presigns or has local paths"
     return FileResponse(
-        store.local_path(blob.storage_key),
+        store.local_path(key),
         media_type="application/octet-stream",
-        filename=f"{cache_key}.blob",
-        headers={"X-Farm-Sha256": blob.sha256},
+        filename=filename,
+        headers={"X-Farm-Sha256": sha256},
     )
 
 
@@ -73,3 +102,45 @@ def report_pull(cache_key: Sha256, body: PullIn, farm: Farm, _: PullCaller) -> d
             session, cache_key, body.agent_id, body.ok, body.import_seconds, body.error
         )
         return {"id": pull.id}
+
+
+@router.post("/v1/blobs/{cache_key}/verifications", status_code=201, responses={404: {}, 409: {}})
+def report_verification(
+    cache_key: Sha256, body: VerificationIn, farm: Farm, _: PullCaller
+) -> dict[str, Any]:
+    """An edge reports one verification (`farm verify`); a failed one quarantines the blob."""
+    report = body.model_dump()
+    with farm.session() as session:
+        verification, quarantined = verifications.record_verification(
+            session, cache_key, report.pop("blob_sha256"), report
+        )
+        return {"id": verification.id, "passed": verification.passed, "quarantined": quarantined}
+
+
+@router.get("/v1/blobs/{cache_key}/verifications", responses={404: {}})
+def list_verifications(
+    cache_key: Sha256,
+    farm: Farm,
+    _: SubmitCaller,
+    limit: int = Query(100, ge=1, le=MAX_PAGE),
+) -> list[dict[str, Any]]:
+    """The newest verifications of the blobs stored under `cache_key` (rebuilt ones too)."""
+    with farm.session() as session:
+        return [
+            verification_dict(v) for v in verifications.verifications_of(session, cache_key, limit)
+        ]
+
+
+@router.post("/v1/blobs/{cache_key}/quarantine", responses={404: {}})
+def quarantine(cache_key: Sha256, body: QuarantineIn, farm: Farm, caller: AdminCaller) -> BlobOut:
+    """Quarantine a blob (admin): edges refuse it until it is released."""
+    with farm.session() as session:
+        blob = verifications.quarantine(session, cache_key, f"{body.reason} (by {caller.name})")
+        return BlobOut(**blob_dict(blob))
+
+
+@router.post("/v1/blobs/{cache_key}/release", responses={404: {}})
+def release(cache_key: Sha256, farm: Farm, _: AdminCaller) -> BlobOut:
+    """Lift a blob's quarantine (admin); its verifications stay."""
+    with farm.session() as session:
+        return BlobOut(**blob_dict(verifications.release(session, cache_key)))

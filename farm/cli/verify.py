@@ -1,0 +1,142 @@
+"""`farm verify`: run a blob against its reference outputs on this device, and tell the farm.
+
+Edge-safe: with FARM_API_URL set it needs only openvino, numpy and httpx (`farm[edge]`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from farm.cli import main
+from farm.cli.common import (
+    EXIT_REJECTED,
+    emit,
+    handle_errors,
+    json_option,
+    say,
+    size_text,
+    spec_options,
+)
+from farm.cli.edge import edge_agent, key_of
+from farm.core.reference import Tolerance, default_tolerance
+
+_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+@main.command()
+@click.argument("key_or_model")
+@spec_options(device_required=False)
+@click.option(
+    "--runs",
+    type=click.IntRange(1, 100_000),
+    default=10,
+    show_default=True,
+    help="Timed inferences after one warm-up.",
+)
+@click.option("--atol", type=float, help="Absolute error allowed (default: per target).")
+@click.option("--rtol", type=float, help="Error allowed relative to max|reference|.")
+@click.option("--min-cosine", type=float, help="Lowest cosine similarity allowed.")
+@click.option(
+    "--weights",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The model's .bin, for a weightless blob verified by cache key.",
+)
+@click.option("--allow-quarantined", is_flag=True, help="Verify a quarantined blob too.")
+@json_option
+@handle_errors
+def verify(
+    key_or_model: str,
+    runs: int,
+    atol: float | None,
+    rtol: float | None,
+    min_cosine: float | None,
+    weights: Path | None,
+    allow_quarantined: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Check that a blob computes its reference numbers on this machine's device, time it,
+    and report it to the farm (a failure quarantines the blob fleet-wide).
+
+    KEY_OR_MODEL is a cache key (then --device is the device to run on, default the blob's
+    target's), or a model with its spec flags (the key this machine computes).
+    Exit 0 within tolerance; 9 when outside it or the blob would not run here."""
+    from farm.edge.verify import verify_blob  # OpenVINO: only when used
+
+    run_on = None
+    if _KEY.match(key_or_model.strip()) and options["device"] is not None:
+        run_on, options = options["device"], {**options, "device": None}
+    key, model_bin = key_of(key_or_model, options)
+    agent = edge_agent()
+    agent.allow_quarantined = allow_quarantined
+    record = agent.resolve(key)
+    base = default_tolerance(record["target"].split(".")[0])
+    tolerance = Tolerance(
+        atol if atol is not None else base.atol,
+        rtol if rtol is not None else base.rtol,
+        min_cosine if min_cosine is not None else base.min_cosine,
+    )
+    result = verify_blob(
+        agent,
+        key,
+        _device(run_on),
+        runs=runs,
+        tolerance=tolerance,
+        weights=weights or model_bin,
+    )
+    data = {
+        "cache_key": key,
+        "target": record["target"],
+        "device": result.device,
+        **result.report(),
+        "farm": result.farm_answer,
+    }
+
+    def human() -> None:
+        say(
+            f"blob {key} ({record['target']}, {size_text(record['size_bytes'])}) on "
+            f"{result.device_name}, OpenVINO {result.openvino_version}"
+            + (f", driver {result.driver_version}" if result.driver_version else "")
+        )
+        if result.error:
+            say(f"could not run it: {result.error}")
+        for output in data["outputs"]:
+            verdict = "ok" if output["passed"] else "OUTSIDE TOLERANCE"
+            say(
+                f"  {output['name']}: max abs error {_figure(output['max_abs_error'])}, "
+                f"mean {_figure(output['mean_abs_error'])}, cosine "
+                f"{_figure(output['cosine'], '.6f')}  {verdict}"
+            )
+        if data["runs"]:
+            say(
+                f"latency p50 {data['latency_p50_ms']:.3f} ms, p90 "
+                f"{data['latency_p90_ms']:.3f} ms, min {data['latency_min_ms']:.3f} ms "
+                f"({data['runs']} runs); import {1000 * (data['import_seconds'] or 0):.1f} ms; "
+                f"peak RSS {size_text(data['peak_rss_bytes'] or 0)}"
+            )
+        verdict = "passed" if data["passed"] else "FAILED"
+        say(f"{verdict} ({tolerance.describe()})")
+        if result.farm_answer and result.farm_answer.get("quarantined"):
+            say(f"the farm quarantined blob {key}: edges refuse it until an admin releases it")
+
+    emit(data, as_json, human)
+    if not data["passed"]:
+        raise SystemExit(EXIT_REJECTED)
+
+
+def _device(given: str | None) -> str | None:
+    """`--device` for a cache key: the OpenVINO device to run on ("NPU", "CPU"), also given as
+    a target name ("4000" runs on the NPU)."""
+    if given is None:
+        return None
+    from farm.core.spec import Target
+
+    return Target.parse(given).device
+
+
+def _figure(value: float | None, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, spec)

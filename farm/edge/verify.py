@@ -1,0 +1,241 @@
+"""On-device verification: does this blob compute its reference numbers here, and how fast?
+
+`farm verify` pulls the blob (verified as for any import) and its reference outputs (their
+signature binds them to the blob), imports the blob, runs the reference inputs, compares every
+output (`farm.core.reference.compare`), times a warm-up and N runs, and reports it all to the
+farm with the device's full name and driver. A failed verification quarantines the blob on the
+farm: the first device that catches a bad blob stops it spreading. docs/architecture.md §14.
+
+Edge-safe: OpenVINO and numpy only, through the agent's `BlobSource`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from farm.core import hashing
+from farm.core.errors import BlobNotAvailable, IntegrityMismatch
+from farm.core.reference import (
+    Reference,
+    Tolerance,
+    compare,
+    default_tolerance,
+    percentile,
+    summary,
+)
+from farm.core.spec import Target
+from farm.edge.agent import EdgeAgent
+
+DEFAULT_RUNS = 10
+WARMUP_RUNS = 1
+
+
+@dataclass
+class Verification:
+    """What one verification found; `report()` is what the farm records."""
+
+    cache_key: str
+    blob_sha256: str
+    agent_id: str
+    device: str
+    device_name: str
+    openvino_version: str
+    driver_version: str | None
+    tolerance: Tolerance
+    passed: bool = False
+    figures: dict[str, Any] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list)
+    import_seconds: float | None = None
+    peak_rss_bytes: int | None = None
+    error: str | None = None
+    farm_answer: dict[str, Any] | None = None
+    """The farm's answer to the report: `{"id", "passed", "quarantined"}`."""
+
+    def report(self) -> dict[str, Any]:
+        finite = _finite_or_none
+        latencies = self.latencies_ms
+        return {
+            "blob_sha256": self.blob_sha256,
+            "agent_id": self.agent_id,
+            "device_name": self.device_name,
+            "openvino_version": self.openvino_version,
+            "driver_version": self.driver_version,
+            "passed": self.passed and self.error is None,
+            "max_abs_error": finite(self.figures.get("max_abs_error")),
+            "mean_abs_error": finite(self.figures.get("mean_abs_error")),
+            "min_cosine": finite(self.figures.get("min_cosine")),
+            "tolerance": {
+                "atol": self.tolerance.atol,
+                "rtol": self.tolerance.rtol,
+                "min_cosine": self.tolerance.min_cosine,
+            },
+            "outputs": [
+                {
+                    key: finite(value) if isinstance(value, float) else value
+                    for key, value in o.items()
+                }
+                for o in self.figures.get("outputs", [])
+            ],
+            "runs": len(latencies),
+            "latency_p50_ms": percentile(latencies, 0.5) if latencies else None,
+            "latency_p90_ms": percentile(latencies, 0.9) if latencies else None,
+            "latency_min_ms": min(latencies) if latencies else None,
+            "import_seconds": self.import_seconds,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "error": self.error,
+        }
+
+
+def verify_blob(
+    agent: EdgeAgent,
+    cache_key: str,
+    device: str | None = None,
+    *,
+    runs: int = DEFAULT_RUNS,
+    tolerance: Tolerance | None = None,
+    weights: Path | None = None,
+    report: bool = True,
+) -> Verification:
+    """Verify the blob of `cache_key` on `device` (default: its target's) and report it (unless
+    `report` is False). A blob that cannot be imported or run here is a failed verification
+    when the failure is the blob's (reported); refusals before the import (signature, digest,
+    quarantine, no reference) raise, reporting nothing: they say nothing about the blob's
+    numbers."""
+    record = agent.resolve(cache_key)
+    fetched = agent.fetch(cache_key, blob=record)
+    blob = fetched.blob
+    target = Target.parse(blob["target"])
+    device = device or target.device
+    reference = _reference(agent, record)
+    result = Verification(
+        cache_key=cache_key,
+        blob_sha256=blob["sha256"],
+        agent_id=agent.agent_id,
+        device=device,
+        device_name=_device_property(device, "FULL_DEVICE_NAME") or device,
+        openvino_version=ov.get_version(),
+        driver_version=_device_property(device, "NPU_DRIVER_VERSION") if "NPU" in device else None,
+        tolerance=tolerance or default_tolerance(target.device),
+    )
+    with _peak_rss() as peak:
+        try:
+            imported = agent.load(cache_key, device, weights, blob=record)
+            result.import_seconds = imported.import_seconds
+            outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
+        except Exception as error:  # the blob would not import or run on this device
+            result.error = f"{type(error).__name__}: {error}"[:4000]
+        else:
+            result.figures = summary(compare(reference.outputs, outputs, result.tolerance))
+            result.passed = bool(result.figures["passed"])
+    result.peak_rss_bytes = peak()
+    if report:
+        result.farm_answer = agent.source.report_verification(cache_key, result.report())
+    return result
+
+
+def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:
+    """The blob's reference outputs: their signature checked (when this edge checks signatures)
+    before a byte is fetched, then their size and digest."""
+    key = record["cache_key"]
+    digest, size = record.get("reference_sha256"), record.get("reference_size_bytes")
+    if not digest or not isinstance(size, int):
+        note = record.get("reference_note") or "its worker recorded none"
+        raise BlobNotAvailable(f"blob {key} has no reference outputs to verify against: {note}")
+    if agent.trust is not None:
+        agent.trust.verify_reference(record)
+    with tempfile.TemporaryDirectory(prefix="farm-verify-", dir=agent.cache.root) as folder:
+        path = Path(folder) / "reference.npz"
+        agent.source.download_reference(key, path, max_bytes=size)
+        actual = hashing.sha256_file(path)
+        if actual != digest or path.stat().st_size != size:
+            raise IntegrityMismatch(
+                f"the reference outputs of blob {key} have sha256 {actual}, signed {digest}; "
+                "refusing them"
+            )
+        return Reference.load(path)
+
+
+def _run(
+    compiled: ov.CompiledModel, inputs: dict[str, np.ndarray], runs: int
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Warm up, then `runs` timed inferences; the outputs of the last, by name."""
+    request = compiled.create_infer_request()
+    ordered = _by_port(compiled, inputs)
+    for _ in range(WARMUP_RUNS):
+        request.infer(ordered)
+    latencies = []
+    for _ in range(max(1, runs)):
+        started = time.perf_counter()
+        request.infer(ordered)
+        latencies.append((time.perf_counter() - started) * 1000)
+    outputs = {}
+    for index, port in enumerate(compiled.outputs):
+        name = port.get_any_name() if port.get_names() else f"output{index}"
+        outputs[name] = np.array(request.get_output_tensor(index).data, copy=True)
+    return outputs, latencies
+
+
+def _by_port(compiled: ov.CompiledModel, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The reference inputs in the compiled model's input order: by name, else by position
+    (a blob may name its inputs differently from the source model)."""
+    values = list(inputs.values())
+    ordered = []
+    for index, port in enumerate(compiled.inputs):
+        names = port.get_names()
+        match = next((inputs[name] for name in names if name in inputs), None)
+        if match is None and index < len(values):
+            match = values[index]
+        if match is None:
+            raise IntegrityMismatch(f"the reference has no input for {port.get_any_name()!r}")
+        ordered.append(match)
+    return ordered
+
+
+def _device_property(device: str, name: str) -> str | None:
+    try:
+        return str(ov.Core().get_property(device, name))
+    except Exception:  # an older plugin without it, or no such device here
+        return None
+
+
+@contextlib.contextmanager
+def _peak_rss() -> Iterator[Any]:
+    """Peak resident memory of this process inside the block (VmHWM, reset on entry)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    peak: list[int | None] = [None]
+    try:
+        yield lambda: peak[0]
+    finally:
+        peak[0] = _vm_hwm()
+
+
+def _vm_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _json_ready(output: dict[str, Any]) -> dict[str, Any]:
+    """One output's figures with infinities as null (JSON has no infinity)."""
+    return {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in output.items()}
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)

@@ -1,0 +1,130 @@
+"""The fleet's verdicts on blobs: record an edge's verification, quarantine, release.
+
+A verification is an edge's run of a blob against the reference outputs its worker computed
+(`farm verify`). One that fails quarantines the blob for its whole target: a blob is built for
+one device class, so one device that catches it wrong is enough to stop it spreading; edges
+refuse a quarantined blob until an admin releases it, or a rebuild replaces it. The quarantine is
+a conditional UPDATE (only a blob not quarantined yet), so two failing reports at once keep the
+first one's reason. docs/architecture.md §14.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from farm.core.clock import now
+from farm.core.errors import Conflict
+from farm.server.blobs.service import require
+from farm.server.db.models import Blob, Verification
+from farm.server.db.session import rows_changed
+
+REPORT_FIELDS = (
+    "agent_id",
+    "device_name",
+    "openvino_version",
+    "driver_version",
+    "passed",
+    "max_abs_error",
+    "mean_abs_error",
+    "min_cosine",
+    "tolerance",
+    "outputs",
+    "runs",
+    "latency_p50_ms",
+    "latency_p90_ms",
+    "latency_min_ms",
+    "import_seconds",
+    "peak_rss_bytes",
+    "error",
+)
+"""What an edge reports (`POST /v1/blobs/{key}/verifications`): every column it fills."""
+
+
+def record_verification(
+    session: Session, cache_key: str, blob_sha256: str, report: Mapping[str, Any]
+) -> tuple[Verification, bool]:
+    """Append an edge's report; a failed one quarantines the blob. Returns the row and whether
+    this report quarantined it. A report about other bytes than the blob recorded now (a blob
+    since rebuilt) is refused: it says nothing about this one."""
+    blob = require(session, cache_key)
+    if blob.sha256 != blob_sha256:
+        raise Conflict(
+            f"the report is about bytes with sha256 {blob_sha256}; blob {cache_key} is now "
+            f"{blob.sha256} (rebuilt since?): verify it again"
+        )
+    passed = bool(report["passed"]) and report.get("error") is None
+    verification = Verification(
+        blob_id=blob.id,
+        cache_key=cache_key,
+        blob_sha256=blob_sha256,
+        target=blob.target,
+        created_at=now(),
+        **{key: report.get(key) for key in REPORT_FIELDS if key != "passed"},
+        passed=passed,
+    )
+    session.add(verification)
+    session.flush()
+    quarantined = False
+    if not passed:
+        quarantined = _quarantine(session, blob, _failure_reason(verification))
+    session.commit()
+    return verification, quarantined
+
+
+def quarantine(session: Session, cache_key: str, reason: str) -> Blob:
+    """An admin's quarantine; a blob quarantined already keeps its first reason."""
+    blob = require(session, cache_key)
+    _quarantine(session, blob, reason)
+    session.commit()
+    session.refresh(blob)
+    return blob
+
+
+def release(session: Session, cache_key: str) -> Blob:
+    """Lift the quarantine (the verifications that caused it stay)."""
+    blob = require(session, cache_key)
+    session.execute(
+        update(Blob).where(Blob.id == blob.id).values(quarantined_at=None, quarantine_reason=None)
+    )
+    session.commit()
+    session.refresh(blob)
+    return blob
+
+
+def verifications_of(session: Session, cache_key: str, limit: int = 100) -> list[Verification]:
+    """The newest `limit` verifications of the blobs ever stored under `cache_key`."""
+    query = (
+        select(Verification)
+        .where(Verification.cache_key == cache_key)
+        .order_by(Verification.id.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def _quarantine(session: Session, blob: Blob, reason: str) -> bool:
+    return (
+        rows_changed(
+            session,
+            update(Blob)
+            .where(Blob.id == blob.id, Blob.quarantined_at.is_(None))
+            .values(quarantined_at=now(), quarantine_reason=reason),
+        )
+        == 1
+    )
+
+
+def _failure_reason(verification: Verification) -> str:
+    where = (
+        f"verification {verification.id} on {verification.device_name} ({verification.agent_id})"
+    )
+    if verification.error:
+        return f"{where} could not run it: {verification.error}"
+    return (
+        f"{where} was outside tolerance: max abs error {verification.max_abs_error:.3g}, "
+        f"cosine {verification.min_cosine:.6f}"
+    )
