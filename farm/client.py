@@ -119,13 +119,15 @@ class FarmClient:
         raise AssertionError("unreachable")  # the last attempt returned or raised
 
     def submit(
-        self, model: dict[str, str], name: str, specs: list[dict], toolchain: dict[str, Any]
+        self,
+        model: dict[str, str],
+        name: str,
+        specs: list[dict],
+        toolchain: dict[str, Any],
+        rebuild: bool = False,
     ) -> dict:
-        return self._call(
-            "POST",
-            "/v1/submissions",
-            json={"model": model, "model_name": name, "specs": specs, "toolchain": toolchain},
-        )
+        body = {"model": model, "model_name": name, "specs": specs, "toolchain": toolchain}
+        return self._call("POST", "/v1/submissions", json={**body, "rebuild": rebuild})
 
     def submit_model(
         self,
@@ -133,17 +135,19 @@ class FarmClient:
         specs: Sequence[CompileSpec],
         toolchain: Toolchain,
         uploading: Callable[[int], AbstractContextManager[Progress]] | None = None,
+        rebuild: bool = False,
     ) -> dict:
         """Submit `ref` for every spec; when a new job needs model files the farm lacks
         (409 `model_missing`), upload only those, then submit again. A hit uploads nothing.
-        `uploading(total_bytes)` wraps the uploads and yields the progress callback."""
+        `uploading(total_bytes)` wraps the uploads and yields the progress callback.
+        `rebuild`: replace the specs' quarantined blobs with new compiles."""
         body = [{"target": spec.target.name, **spec.canonical()} for spec in specs]
         wire_toolchain = {
             "openvino": toolchain.openvino,
             "runtime_requirements": toolchain.runtime_requirements,
         }
         try:
-            return self.submit(dict(ref.identity), ref.name, body, wire_toolchain)
+            return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild)
         except ApiError as error:
             if error.code != "model_missing":
                 raise
@@ -153,7 +157,7 @@ class FarmClient:
         with (uploading or _no_progress)(total) as advance:
             for sha, path in files:
                 self.upload(sha, path, advance)
-        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain)
+        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild)
 
     # --- jobs ---------------------------------------------------------------------------------
 

@@ -11,4 +11,4 @@ def main() -> None:
     """farm: compile OpenVINO models once, import the blobs everywhere."""
 
 
-from farm.cli import edge, jobs, keys, ops, toolchain, verify  # noqa: E402,F401  (registers)
+from farm.cli import edge, jobs, keys, ops, quarantine, toolchain, verify  # noqa: E402,F401

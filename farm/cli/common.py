@@ -185,6 +185,12 @@ def print_blob(blob: dict) -> None:
     npu_compiler = (blob.get("toolchain") or {}).get("npu_compiler")
     if npu_compiler:
         say(f"compiler   NPU compiler {npu_compiler}")
+    if blob.get("reference_sha256"):
+        say(f"reference  outputs {size_text(blob.get('reference_size_bytes') or 0)} (farm verify)")
+    elif blob.get("reference_note"):
+        say(f"reference  {blob['reference_note']}")
+    if blob.get("quarantined_at"):
+        say(f"QUARANTINED since {str(blob['quarantined_at'])[:19]}: {blob['quarantine_reason']}")
 
 
 @contextlib.contextmanager

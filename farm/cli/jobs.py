@@ -106,6 +106,12 @@ def _split(value: str | None) -> list[str]:
     type=click.File("r"),
     help="Compile for this toolchain (a file `farm toolchain --json` wrote; - for stdin).",
 )
+@click.option(
+    "--rebuild",
+    is_flag=True,
+    help="Compile again where the blob is quarantined (a failed farm verify): a new job and a "
+    "new blob replace it; its verifications stay on record.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @json_option
 @handle_errors
@@ -114,6 +120,7 @@ def submit(
     wait: bool,
     wait_timeout: float,
     toolchain_file: Any,
+    rebuild: bool,
     quiet: bool,
     as_json: bool,
     **options: Any,
@@ -141,7 +148,8 @@ def submit(
         cpu = next((s.target for s in specs if not s.target.is_npu), None)
         wanted = toolchain.host_toolchain(cpu or specs[0].target)
     farm = backend()
-    answer = farm.submit(ref, specs, wanted, _SubmitProgress(model.name, quiet or as_json))
+    progress = _SubmitProgress(model.name, quiet or as_json)
+    answer = farm.submit(ref, specs, wanted, progress, rebuild=rebuild)
     if wait:
         for result in answer["results"]:
             if result["job"] and result["job"]["state"] not in FINAL_STATES:
@@ -314,18 +322,23 @@ def cancel(job_id: int, as_json: bool) -> None:
     emit(job, as_json, functools.partial(print_job, job))
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--target", help="Only blobs for this target.")
 @click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
 @click.option("--all", "show_all", is_flag=True, help="Every blob (read a page at a time).")
 @json_option
+@click.pass_context
 @handle_errors
-def blobs(target: str | None, limit: int, show_all: bool, as_json: bool) -> None:
-    """List the stored blobs, newest first."""
+def blobs(
+    context: click.Context, target: str | None, limit: int, show_all: bool, as_json: bool
+) -> None:
+    """List the stored blobs, newest first (or quarantine and release one: the subcommands)."""
+    if context.invoked_subcommand is not None:
+        return
     rows = backend().blobs(target, None if show_all else limit)
 
     def human() -> None:
-        table = Table("cache key", "target", "OpenVINO", "size", "compile s", "created")
+        table = Table("cache key", "target", "OpenVINO", "size", "compile s", "created", "state")
         for row in rows:
             table.add_row(
                 cell(row["cache_key"][:16]),
@@ -334,6 +347,7 @@ def blobs(target: str | None, limit: int, show_all: bool, as_json: bool) -> None
                 size_text(row["size_bytes"]),
                 f"{row['compile_seconds'] or 0:.2f}",
                 cell(str(row["created_at"])[:19]),
+                "QUARANTINED" if row.get("quarantined_at") else "",
             )
         out.print(table)
 

@@ -39,8 +39,10 @@ class Backend(Protocol):
         specs: list[CompileSpec],
         toolchain: Toolchain,
         progress: SubmitProgress,
+        rebuild: bool = False,
     ) -> dict[str, Any]:
-        """`{"submission_id", "results": [{"cache_key", "target", "outcome", "job"}]}`."""
+        """`{"submission_id", "results": [{"cache_key", "target", "outcome", "job"}]}`.
+        `rebuild`: replace the specs' quarantined blobs with new compiles."""
         ...
 
     def job(self, job_id: int) -> dict[str, Any]: ...

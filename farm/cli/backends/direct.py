@@ -27,6 +27,7 @@ from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
+from farm.server.blobs.rebuild import retire_quarantined
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
@@ -68,10 +69,13 @@ class Direct:
         specs: list[CompileSpec],
         toolchain: Toolchain,
         progress: SubmitProgress,
+        rebuild: bool = False,
     ) -> dict[str, Any]:
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
+                if rebuild:
+                    retire_quarantined(session, self.farm.store, ref.identity, specs, toolchain)
                 submitted = jobs.submit_matrix(
                     session,
                     self.farm.store,

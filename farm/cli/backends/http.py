@@ -27,8 +27,9 @@ class Http:
         specs: list[CompileSpec],
         toolchain: Toolchain,
         progress: SubmitProgress,
+        rebuild: bool = False,
     ) -> dict[str, Any]:
-        return self.client.submit_model(ref, specs, toolchain, progress.uploading)
+        return self.client.submit_model(ref, specs, toolchain, progress.uploading, rebuild)
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)

@@ -91,6 +91,11 @@ class SubmissionRequest(Strict):
     model_name: FileName
     specs: list[SpecIn] = Field(min_length=1, description="One job per spec (a matrix).")
     toolchain: ToolchainIn = Field(description="The toolchain the edge will import with.")
+    rebuild: bool = Field(
+        False,
+        description="Replace the specs' quarantined blobs with new compiles (409 when "
+        "a spec's blob is not quarantined).",
+    )
 
 
 class JobOut(BaseModel):

@@ -19,6 +19,7 @@ from farm.server.api.schemas import (
     SubmissionResult,
     Text,
 )
+from farm.server.blobs.rebuild import retire_quarantined
 from farm.server.context import FarmContext
 from farm.server.db.models import Job
 from farm.server.jobs import service
@@ -53,6 +54,8 @@ def submit(
     for spec in specs:
         toolchain.key_part(spec.target)  # a CPU spec needs runtime requirements: 422 here
     with farm.session() as session:
+        if body.rebuild:
+            retire_quarantined(session, farm.store, identity, specs, toolchain)
         submitted = service.submit_matrix(
             session,
             farm.store,

@@ -1,0 +1,36 @@
+"""`farm blobs quarantine|release KEY`: an admin stops a blob spreading, or lets it go again.
+
+A failed `farm verify` quarantines a blob by itself; these are for what a person found (and for
+releasing a blob whose failure was the device's, not the blob's). Through the API they need an
+admin token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from farm.cli.common import backend, check_key, emit, handle_errors, json_option, print_blob
+from farm.cli.jobs import blobs
+
+
+@blobs.command("quarantine")
+@click.argument("cache_key")
+@click.option("--reason", required=True, help="Why, for the record and for the edges' message.")
+@json_option
+@handle_errors
+def quarantine(cache_key: str, reason: str, as_json: bool) -> None:
+    """Quarantine a blob: edges refuse it until it is released (or rebuilt)."""
+    blob = backend().quarantine(check_key(cache_key), reason)
+    emit(blob, as_json, functools.partial(print_blob, blob))
+
+
+@blobs.command("release")
+@click.argument("cache_key")
+@json_option
+@handle_errors
+def release(cache_key: str, as_json: bool) -> None:
+    """Lift a blob's quarantine; its verifications stay on record."""
+    blob = backend().release(check_key(cache_key))
+    emit(blob, as_json, functools.partial(print_blob, blob))
