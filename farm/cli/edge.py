@@ -92,6 +92,7 @@ def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="The model's .bin, to import a weightless blob pulled by cache key.",
 )
+@click.option("--allow-quarantined", is_flag=True, help="Pull a quarantined blob too.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option
 @handle_errors
@@ -103,6 +104,7 @@ def pull(
     for_model: Path | None,
     do_import: bool,
     weights: Path | None,
+    allow_quarantined: bool,
     quiet: bool,
     as_json: bool,
     **options: Any,
@@ -111,6 +113,7 @@ def pull(
     compatibility checked first, download resumed and sha256-verified, kept in the cache."""
     key, model_bin = key_of(key_or_model, options)
     agent = edge_agent()
+    agent.allow_quarantined = allow_quarantined
     blob = agent.resolve(key)
     with progress_bar(f"downloading {key[:12]}", blob["size_bytes"], quiet or as_json) as advance:
         fetched = agent.fetch(key, advance, blob=blob)
@@ -214,9 +217,17 @@ def agent() -> None:
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--interval", type=float, help="Run again every this many seconds (a loop).")
 @click.option("--import", "do_import", is_flag=True, help="Import each blob to check it loads.")
+@click.option(
+    "--verify",
+    "do_verify",
+    is_flag=True,
+    help="Verify each new blob against its reference outputs, once per device (farm verify).",
+)
 @json_option
 @handle_errors
-def sync(manifest: Path, interval: float | None, do_import: bool, as_json: bool) -> None:
+def sync(
+    manifest: Path, interval: float | None, do_import: bool, do_verify: bool, as_json: bool
+) -> None:
     """Pull every model and spec listed in MANIFEST (TOML); report what the farm lacks.
 
     Exit code 3 when the farm lacks some of them (so a script can tell)."""
@@ -224,7 +235,7 @@ def sync(manifest: Path, interval: float | None, do_import: bool, as_json: bool)
 
     entries = load_manifest(manifest)
     while True:
-        results = sync_once(edge_agent(), entries, do_import)
+        results = sync_once(edge_agent(), entries, do_import, do_verify)
         emit([r.as_dict() for r in results], as_json, functools.partial(_print_sync, results))
         if interval is None:
             break

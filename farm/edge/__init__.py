@@ -17,7 +17,7 @@ import openvino as ov
 from farm.client import FarmClient
 from farm.core.config import Settings, get_settings
 from farm.core.digests import digest_cache
-from farm.core.errors import BlobNotAvailable, Incompatible, NotFound
+from farm.core.errors import BlobNotAvailable, Incompatible, NotFound, VerificationFailed
 from farm.core.filecache import BlobCache
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import TrustedKeys, public_key_path
@@ -62,6 +62,7 @@ def compile_model(
     *,
     fallback: Literal["compile"] | None = None,
     submit: bool = False,
+    verify: bool = False,
     agent: EdgeAgent | None = None,
     **spec: Any,
 ):
@@ -71,7 +72,10 @@ def compile_model(
     Pulls the farm's blob for the key this machine computes. When the farm has none, raises
     `BlobNotAvailable`, unless `fallback="compile"`: then compiles here (and with
     `submit=True` also submits the model, so the rest of the fleet gets the blob).
-    The returned model keeps its memory-mapped blob (and cache lease) alive as long as it lives.
+    `verify=True` first verifies the blob against its reference outputs on this device, once
+    per device (`farm.edge.verify.verify_once`), and raises `VerificationFailed` when it does
+    not compute them (the farm then quarantines it). The returned model keeps its
+    memory-mapped blob (and cache lease) alive as long as it lives.
     """
     compile_spec = CompileSpec.create(device, **spec)
     # Digests through the cache `farm submit` and `farm pull MODEL` use (path, size, mtime):
@@ -83,6 +87,8 @@ def compile_model(
     agent = agent or agent_from_settings()
     try:
         try:
+            if verify:
+                _verify(agent, key, compile_spec.target.device, ref.files.get("bin"))
             imported = agent.load(key, compile_spec.target.device, ref.files.get("bin"))
         except NotFound:
             if fallback != "compile":
@@ -97,6 +103,15 @@ def compile_model(
     # OpenVINO reads the blob through the memory map for as long as the model lives.
     imported.compiled.farm_import = imported
     return imported.compiled
+
+
+def _verify(agent: EdgeAgent, key: str, device: str, weights: Path | None) -> None:
+    from farm.edge.verify import verify_once
+
+    outcome = verify_once(agent, key, device, weights)
+    if outcome is not None and not outcome.passed:
+        why = outcome.error or f"outputs outside tolerance ({outcome.tolerance.describe()})"
+        raise VerificationFailed(f"blob {key} does not compute its reference outputs: {why}")
 
 
 def _compile_here(ref: ModelRef, spec: CompileSpec, submit_with: EdgeAgent | None) -> Any:

@@ -22,6 +22,7 @@ from farm.core.errors import Incompatible, NotFound
 from farm.core.identity import ModelRef, key_for
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.edge.agent import EdgeAgent
+from farm.edge.verify import verify_once
 from farm.toolchain import host_toolchain
 
 
@@ -85,8 +86,12 @@ def _toolchain_file(path: Path, where: str) -> Toolchain:
         raise SpecError(f"{where}: toolchain file {path}: {error}") from None
 
 
-def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -> list[SyncResult]:
-    """One pass over the manifest; a failure of one entry never stops the others."""
+def sync_once(
+    agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool, do_verify: bool = False
+) -> list[SyncResult]:
+    """One pass over the manifest; a failure of one entry never stops the others. With
+    `do_verify`, each blob is verified once per device (`farm.edge.verify.verify_once`): its
+    result is the entry's status ("verified", or "failed verification")."""
     results = []
     for entry in entries:
         label, summary, key = str(entry.model), entry.spec.summary(), None
@@ -95,7 +100,13 @@ def sync_once(agent: EdgeAgent, entries: list[ManifestEntry], do_import: bool) -
             toolchain = entry.toolchain or host_toolchain(entry.spec.target)
             key = key_for(ref.identity, entry.spec, toolchain)
             fetched = agent.fetch(key)
-            if do_import:
+            if do_verify:
+                outcome = verify_once(agent, key, weights=ref.files.get("bin"))
+                if outcome is not None and not outcome.passed:
+                    detail = outcome.error or "outputs outside tolerance; the farm quarantined it"
+                    results.append(SyncResult(label, summary, "failed", key, detail))
+                    continue
+            elif do_import:
                 agent.load(key, weights=ref.files.get("bin"), blob=fetched.blob)
             elif fetched.downloaded:
                 agent.report_download(key)

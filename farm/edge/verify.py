@@ -12,6 +12,8 @@ Edge-safe: OpenVINO and numpy only, through the agent's `BlobSource`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import tempfile
 import time
@@ -141,6 +143,30 @@ def verify_blob(
     if report:
         result.farm_answer = agent.source.report_verification(cache_key, result.report())
     return result
+
+
+def verify_once(
+    agent: EdgeAgent, cache_key: str, device: str | None = None, weights: Path | None = None
+) -> Verification | None:
+    """Verify the blob unless this device already did (a stamp in the cache beside it, keyed
+    by the blob's bytes and the device's name); None when it did and passed. A failure is not
+    stamped: the next pass verifies again, and the farm has quarantined the blob anyway."""
+    record = agent.resolve(cache_key)
+    target_device = device or Target.parse(record["target"]).device
+    stamp = _stamp(agent, record, target_device)
+    if stamp.exists():
+        return None
+    result = verify_blob(agent, cache_key, target_device, weights=weights)
+    if result.passed:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(result.report()))
+    return result
+
+
+def _stamp(agent: EdgeAgent, record: dict[str, Any], device: str) -> Path:
+    name = _device_property(device, "FULL_DEVICE_NAME") or device
+    mark = hashlib.sha256(f"{record['sha256']}\n{name}".encode()).hexdigest()[:32]
+    return agent.cache.root / "verified" / f"{record['cache_key']}.{mark}.json"
 
 
 def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:

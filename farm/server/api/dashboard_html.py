@@ -119,11 +119,19 @@ def blobs_table(blobs: Iterable, pulls: Mapping[int, tuple[int, Any]]) -> str:
             _td(pulls.get(blob.id, (0, None))[0], num=True),
             _td(_when(pulls.get(blob.id, (0, None))[1]) or "never"),
             _td(_when(blob.created_at)),
+            _td(_verification_state(blob)),
         ]
         for blob in blobs
     )
     headers = ("cache key", "target", "OpenVINO", "size", "compile s", "pulls", "last pull")
-    return _table((*headers, "created"), rows, "no blobs match")
+    return _table((*headers, "created", "verification"), rows, "no blobs match")
+
+
+def _verification_state(blob: Any) -> str:
+    """What the fleet knows of the blob's numbers: quarantined, or whether it can be verified."""
+    if blob.quarantined_at is not None:
+        return f"QUARANTINED: {blob.quarantine_reason}"
+    return "reference outputs" if blob.reference_sha256 else "no reference"
 
 
 def workers_table(workers: Iterable, live: set[str]) -> str:

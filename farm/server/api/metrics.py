@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from farm.core.clock import now
 from farm.core.vocabulary import JOB_STATES, JobState
 from farm.server.api.deps import caller_with, farm_of
-from farm.server.db.models import Blob, BlobDeletion, Job, Pull, Worker
+from farm.server.db.models import Blob, BlobDeletion, Job, Pull, Verification, Worker
 from farm.server.routing import MISSED_HEARTBEATS
 from farm.server.tokens import Caller
 
@@ -47,6 +47,7 @@ class FarmCollector(Collector):
             yield self._compile_seconds(session)
             yield from self._blobs(session)
             yield self._pulls(session)
+            yield from self._verifications(session)
             yield self._workers(session)
 
     def _jobs(self, session: Session) -> Iterator[Metric]:
@@ -136,6 +137,33 @@ class FarmCollector(Collector):
         for (target, label), n in sorted(totals.items()):
             pulls.add_metric([target, label], n)
         return pulls
+
+    def _verifications(self, session: Session) -> Iterator[Metric]:
+        """Verifications are never deleted (a deleted blob's keep a null blob_id): a counter."""
+        verified = CounterMetricFamily(
+            "farm_verifications",
+            "Edge verifications of blobs against their reference outputs, by target and result.",
+            labels=["target", "result"],
+        )
+        rows = session.execute(
+            select(Verification.target, Verification.passed, func.count()).group_by(
+                Verification.target, Verification.passed
+            )
+        )
+        for target, passed, n in sorted(rows, key=lambda row: (row[0], bool(row[1]))):
+            verified.add_metric([target, "passed" if passed else "failed"], n)
+        yield verified
+        quarantined = GaugeMetricFamily(
+            "farm_blobs_quarantined", "Blobs quarantined now, by target.", labels=["target"]
+        )
+        counts = session.execute(
+            select(Blob.target, func.count())
+            .where(Blob.quarantined_at.is_not(None))
+            .group_by(Blob.target)
+        )
+        for target, n in counts:
+            quarantined.add_metric([target], n)
+        yield quarantined
 
     def _workers(self, session: Session) -> Metric:
         since = now() - timedelta(seconds=self.heartbeat_seconds * MISSED_HEARTBEATS)
