@@ -96,7 +96,7 @@ class Reference:
                     raise ValueError(f"format {meta.get('format')!r}, not {REFERENCE_FORMAT}")
                 inputs = {n: archive[f"input{i}"] for i, n in enumerate(meta["inputs"])}
                 outputs = {n: archive[f"output{i}"] for i, n in enumerate(meta["outputs"])}
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
             raise IntegrityMismatch(f"{path} is not a farm reference file: {error}") from None
         return cls(inputs, outputs)
 
@@ -106,7 +106,7 @@ def load_inputs(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as error:
+    except (OSError, EOFError, ValueError) as error:
         raise SpecError(f"--inputs {path}: not a readable .npz of input arrays ({error})") from None
 
 

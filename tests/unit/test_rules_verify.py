@@ -1,0 +1,164 @@
+"""The verification rules on SQLite: a report is recorded against the bytes it ran, a failed one
+quarantines the blob once (the first reason stays), an admin releases it, and a rebuild retires
+only a quarantined blob, keeping its verifications."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from farm.core.errors import Conflict, NotFound
+from farm.core.identity import key_for
+from farm.server.blobs import verifications
+from farm.server.blobs.rebuild import retire_quarantined
+from farm.server.db.models import Blob, BlobDeletion, Pull, Verification
+from farm.server.storage import blob_storage_key
+from tests.unit.conftest import CPU, TOOLCHAIN, add_blob, add_model, key
+
+IDENTITY = {"xml": "1" * 64, "bin": "2" * 64}
+
+
+def report(passed: bool = True, **fields: Any) -> dict[str, Any]:
+    return {
+        "agent_id": "edge-1",
+        "device_name": "Intel(R) AI Boost",
+        "openvino_version": "2026.4.1",
+        "driver_version": "1.10",
+        "passed": passed,
+        "max_abs_error": 0.0 if passed else 0.5,
+        "mean_abs_error": 0.0 if passed else 0.1,
+        "min_cosine": 1.0 if passed else 0.9,
+        "tolerance": {"atol": 0.01, "rtol": 0.02, "min_cosine": 0.999},
+        "outputs": [],
+        "runs": 10,
+        "latency_p50_ms": 1.5,
+        **fields,
+    }
+
+
+def blob_row(farm, cache_key: str) -> Blob:
+    with farm.session() as session:
+        blob = session.scalar(select(Blob).where(Blob.cache_key == cache_key))
+        assert blob is not None
+        return blob
+
+
+def test_a_passed_report_is_recorded_and_quarantines_nothing(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        row, quarantined = verifications.record_verification(session, key(1), blob.sha256, report())
+        assert (row.blob_id, row.target, row.passed, quarantined) == (blob.id, "CPU", True, False)
+    assert blob_row(embedded_farm, key(1)).quarantined_at is None
+
+
+def test_a_failed_report_quarantines_only_its_blob_with_its_figures(embedded_farm):
+    model = add_model(embedded_farm)
+    bad, good = add_blob(embedded_farm, model, key(1)), add_blob(embedded_farm, model, key(2))
+    with embedded_farm.session() as session:
+        row, quarantined = verifications.record_verification(
+            session, key(1), bad.sha256, report(passed=False)
+        )
+    assert quarantined is True
+    quarantined_blob = blob_row(embedded_farm, key(1))
+    assert quarantined_blob.quarantined_at is not None
+    assert f"verification {row.id} on Intel(R) AI Boost (edge-1)" in (
+        quarantined_blob.quarantine_reason or ""
+    )
+    assert "max abs error 0.5" in (quarantined_blob.quarantine_reason or "")
+    assert blob_row(embedded_farm, key(2)).quarantined_at is None
+    assert good.id != bad.id
+
+
+def test_a_second_failure_keeps_the_first_reason(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        first, _ = verifications.record_verification(
+            session, key(1), blob.sha256, report(passed=False)
+        )
+        second, quarantined = verifications.record_verification(
+            session, key(1), blob.sha256, report(passed=False, agent_id="edge-2")
+        )
+    assert quarantined is False
+    assert f"verification {first.id} " in (blob_row(embedded_farm, key(1)).quarantine_reason or "")
+    assert second.id != first.id
+
+
+def test_a_report_that_could_not_run_fails_whatever_it_says_about_passing(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        row, quarantined = verifications.record_verification(
+            session, key(1), blob.sha256, report(passed=True, error="RuntimeError: boom")
+        )
+        assert (row.passed, quarantined) == (False, True)
+    assert "could not run it: RuntimeError: boom" in (
+        blob_row(embedded_farm, key(1)).quarantine_reason or ""
+    )
+
+
+def test_a_report_about_other_bytes_or_no_blob_is_refused_and_records_nothing(embedded_farm):
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        with pytest.raises(Conflict, match="verify it again"):
+            verifications.record_verification(session, key(1), "f" * 64, report(passed=False))
+        with pytest.raises(NotFound):
+            verifications.record_verification(session, key(9), "f" * 64, report())
+        assert session.scalars(select(Verification)).all() == []
+    assert blob_row(embedded_farm, key(1)).quarantined_at is None
+
+
+def test_an_admin_quarantines_and_releases(embedded_farm):
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        blob = verifications.quarantine(session, key(1), "crashed a Lunar Lake NPU")
+        assert blob.quarantine_reason == "crashed a Lunar Lake NPU"
+        again = verifications.quarantine(session, key(1), "another reason")
+        assert again.quarantine_reason == "crashed a Lunar Lake NPU"
+        released = verifications.release(session, key(1))
+        assert (released.quarantined_at, released.quarantine_reason) == (None, None)
+
+
+def test_a_rebuild_refuses_a_blob_that_is_not_quarantined_and_deletes_nothing(embedded_farm):
+    cache_key = key_for(IDENTITY, CPU, TOOLCHAIN)
+    add_blob(embedded_farm, add_model(embedded_farm), cache_key)
+    with embedded_farm.session() as session, pytest.raises(Conflict, match="not quarantined"):
+        retire_quarantined(session, embedded_farm.store, IDENTITY, [CPU], TOOLCHAIN)
+    assert blob_row(embedded_farm, cache_key).id
+    assert embedded_farm.store.exists(blob_storage_key(cache_key))
+
+
+def test_a_rebuild_retires_a_quarantined_blob_and_keeps_its_history(embedded_farm):
+    cache_key = key_for(IDENTITY, CPU, TOOLCHAIN)
+    blob = add_blob(embedded_farm, add_model(embedded_farm), cache_key)
+    untouched = add_blob(embedded_farm, add_model(embedded_farm, "other"), key(2))
+    with embedded_farm.session() as session:
+        session.add_all(
+            Pull(blob_id=b.id, cache_key=b.cache_key, agent_id="e", ok=ok, created_at=b.created_at)
+            for b, ok in ((blob, True), (blob, False), (untouched, True))
+        )
+        session.commit()
+        row, _ = verifications.record_verification(
+            session, cache_key, blob.sha256, report(passed=False)
+        )
+        retired = retire_quarantined(session, embedded_farm.store, IDENTITY, [CPU], TOOLCHAIN)
+        assert retired == [cache_key]
+        assert session.scalar(select(Blob).where(Blob.cache_key == cache_key)) is None
+        kept = session.get_one(Verification, row.id)
+        assert (kept.blob_id, kept.cache_key, kept.blob_sha256) == (None, cache_key, blob.sha256)
+        deletion = session.scalars(select(BlobDeletion)).one()
+        assert (deletion.cache_key, deletion.pulls, deletion.failed_pulls, deletion.state) == (
+            cache_key,
+            2,
+            1,
+            "deleted",
+        )
+        assert deletion.reason.startswith("rebuilt after quarantine: verification ")
+        assert [p.blob_id for p in session.scalars(select(Pull))] == [untouched.id]
+    assert not embedded_farm.store.exists(blob_storage_key(cache_key))
+    assert embedded_farm.store.exists(blob_storage_key(key(2)))
+
+
+def test_a_rebuild_of_a_model_without_a_blob_retires_nothing(embedded_farm):
+    with embedded_farm.session() as session:
+        assert retire_quarantined(session, embedded_farm.store, IDENTITY, [CPU], TOOLCHAIN) == []
