@@ -1,0 +1,146 @@
+"""The fleet as a test lab, for real on CPU: workers store reference outputs beside each blob,
+an edge verifies blobs through the API (IR, and an ONNX model the onnx package ships), and a
+genuinely divergent blob (compiled from a model whose weights differ from its reference) fails,
+is quarantined, is refused by edges, and is replaced by a rebuild, its history kept."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import httpx
+import onnx
+import pytest
+
+from farm.core.signing import Signer
+from tests import models
+from tests.integration.served import ApiServer
+from tests.integration.test_edge import ok_json, run_farm
+
+SQUEEZENET = Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
+
+
+@pytest.fixture
+def lab(tmp_path):
+    home = tmp_path / "farm"
+    farm_env = {"FARM_HOME": str(home)}
+    pull = ok_json(farm_env, "token", "create", "--name", "edge", "--role", "pull")["token"]
+    api = ApiServer(farm_env, tmp_path / "api.log").start()
+    edge_env = {
+        "FARM_API_URL": api.url,
+        "FARM_TOKEN": pull,
+        "FARM_CACHE_DIR": str(tmp_path / "edge-cache"),
+        "FARM_HOME": str(tmp_path / "edge-home"),
+        "FARM_AGENT_ID": "edge-7",
+        "FARM_TRUSTED_KEYS": str(home / "keys" / "signing.pem.pub"),
+    }
+    yield home, farm_env, edge_env, api
+    api.stop()
+
+
+def sql(home: Path, query: str, *params) -> list[tuple]:
+    with sqlite3.connect(home / "farm.db") as connection:
+        return connection.execute(query, params).fetchall()
+
+
+def submit(farm_env: dict, model: Path, *extra: str) -> str:
+    answer = ok_json(farm_env, "submit", str(model), "--device", "CPU", *extra)
+    assert answer["job"]["state"] == "succeeded", answer
+    return answer["cache_key"]
+
+
+def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
+    home, farm_env, edge_env, _ = lab
+    onnx_model = shutil.copy(SQUEEZENET, tmp_path / "squeezenet.onnx")
+    ir_model = models.save_ir(models.conv_net(seed=3), tmp_path / "ir" / "conv.xml")
+    for model in (ir_model, Path(onnx_model)):
+        key = submit(farm_env, model)
+        (digest, size, signed, note) = sql(
+            home,
+            "SELECT reference_sha256, reference_size_bytes, reference_signature, reference_note "
+            "FROM blobs WHERE cache_key = ?",
+            key,
+        )[0]
+        assert len(digest) == 64 and size > 0 and signed and note is None
+        verified = ok_json(edge_env, "verify", key, "--runs", "5")
+        assert verified["passed"] is True and verified["farm"]["quarantined"] is False
+        assert verified["max_abs_error"] <= 1e-4 and verified["min_cosine"] >= 0.99999
+        assert (
+            verified["runs"] == 5 and 0 < verified["latency_min_ms"] <= verified["latency_p50_ms"]
+        )
+        assert verified["import_seconds"] > 0 and verified["peak_rss_bytes"] > 0
+    rows = sql(
+        home,
+        "SELECT cache_key, agent_id, device_name, passed, runs, blob_id IS NOT NULL "
+        "FROM verifications ORDER BY id",
+    )
+    assert [(r[1], r[3], r[4], r[5]) for r in rows] == [("edge-7", 1, 5, 1)] * 2
+    assert all(r[2] for r in rows)  # the CPU's full name
+    never = sql(home, "SELECT cache_key FROM blob_verifications WHERE verifications = 0")
+    assert never == []
+    latency = sql(home, "SELECT target, blobs, verifications FROM device_latency")
+    assert latency == [("CPU", 2, 2)]
+
+
+def test_a_divergent_blob_fails_is_quarantined_refused_and_rebuilt(lab, tmp_path):
+    home, farm_env, edge_env, api = lab
+    model_a = models.save_ir(models.conv_net(seed=1), tmp_path / "a" / "net.xml")
+    model_b = models.save_ir(models.conv_net(seed=2), tmp_path / "b" / "net.xml")
+    key_a, key_b = submit(farm_env, model_a), submit(farm_env, model_b)
+    _give_reference_of(home, key_b, to=key_a)  # blob A against outputs of B's weights
+
+    failed = run_farm(edge_env, "verify", key_a, "--json")
+    assert failed.returncode == 9, failed.stderr
+    report = json.loads(failed.stdout)
+    assert report["passed"] is False and report["farm"]["quarantined"] is True
+    assert report["max_abs_error"] > 1e-2 and not report["outputs"][0]["passed"]
+    (reason,) = sql(home, "SELECT quarantine_reason FROM blobs WHERE cache_key = ?", key_a)[0]
+    assert "outside tolerance" in reason and "(edge-7)" in reason
+
+    refused = run_farm(edge_env, "pull", key_a)
+    assert refused.returncode == 9 and "quarantined" in refused.stderr
+    assert not list((tmp_path / "edge-cache").glob(f"**/{key_a}.blob.partial"))
+    anyway = run_farm(edge_env, "pull", key_a, "--allow-quarantined", "--json")
+    assert anyway.returncode == 0, anyway.stderr
+    assert "QUARANTINED" in run_farm(farm_env, "status", key_a).stdout
+    metrics = httpx.get(
+        f"{api.url}/metrics", headers={"Authorization": f"Bearer {edge_env['FARM_TOKEN']}"}
+    )
+    assert 'farm_verifications_total{result="failed",target="CPU"} 1.0' in metrics.text
+    assert 'farm_blobs_quarantined{target="CPU"} 1.0' in metrics.text
+
+    assert submit(farm_env, model_a, "--rebuild") == key_a
+    passed = ok_json(edge_env, "verify", key_a)
+    assert passed["passed"] is True
+    history = sql(
+        home,
+        "SELECT passed, blob_id IS NULL FROM verifications WHERE cache_key = ? ORDER BY id",
+        key_a,
+    )
+    assert history == [(0, 1), (1, 0)]  # the failed run outlives the blob it failed
+    (deleted,) = sql(home, "SELECT reason FROM blob_deletions WHERE cache_key = ?", key_a)[0]
+    assert deleted.startswith("rebuilt after quarantine")
+    assert sql(home, "SELECT count(*) FROM jobs WHERE cache_key = ?", key_a) == [(2,)]
+    refused_again = run_farm(farm_env, "submit", str(model_b), "--device", "CPU", "--rebuild")
+    assert refused_again.returncode == 2 and "not quarantined" in refused_again.stderr
+
+
+def _give_reference_of(home: Path, source: str, to: str) -> None:
+    """Store blob `source`'s reference outputs as blob `to`'s, signed by the farm's own key:
+    what a worker that ran the reference on the wrong weights would have recorded."""
+    store = home / "store" / "references"
+    shutil.copyfile(store / f"{source}.npz", store / f"{to}.npz")
+    ((digest, size),) = sql(
+        home, "SELECT reference_sha256, reference_size_bytes FROM blobs WHERE cache_key = ?", source
+    )
+    ((blob_sha,),) = sql(home, "SELECT sha256 FROM blobs WHERE cache_key = ?", to)
+    signer = Signer.from_file(home / "keys" / "signing.pem")
+    signature = signer.sign_reference(to, blob_sha, digest, size)
+    with sqlite3.connect(home / "farm.db") as connection:
+        connection.execute(
+            "UPDATE blobs SET reference_sha256 = ?, reference_size_bytes = ?, "
+            "reference_signature = ? WHERE cache_key = ?",
+            (digest, size, signature, to),
+        )
