@@ -162,3 +162,55 @@ def test_a_rebuild_retires_a_quarantined_blob_and_keeps_its_history(embedded_far
 def test_a_rebuild_of_a_model_without_a_blob_retires_nothing(embedded_farm):
     with embedded_farm.session() as session:
         assert retire_quarantined(session, embedded_farm.store, IDENTITY, [CPU], TOOLCHAIN) == []
+
+
+def test_a_key_rotation_re_signs_the_reference_with_the_manifest(embedded_farm, tmp_path):
+    from farm.core.identity import ModelInfo
+    from farm.core.signing import Signer, TrustedKeys
+    from farm.server.blobs.resign import resign
+    from farm.server.blobs.signatures import sign_reference, sign_row
+    from farm.server.jobs.service import register_model
+
+    old, new = (Signer.from_file(_key(tmp_path / name)) for name in ("old", "new"))
+    with embedded_farm.session() as session:
+        model = register_model(session, ModelInfo(IDENTITY, "m.xml", 10))
+        session.commit()
+        model_id = model.id
+    cache_key = key_for(IDENTITY, CPU, TOOLCHAIN)
+    add_blob(embedded_farm, model_id, cache_key)
+    compiled = _real_blob(tmp_path)  # resign checks the stored object is a compiled blob
+    stored = embedded_farm.store.put_file(f"blobs/{cache_key}.compiled", compiled.blob_path)
+    with embedded_farm.session() as session:
+        row = session.scalars(select(Blob)).one()
+        row.storage_key, row.size_bytes, row.sha256 = stored.key, stored.size, stored.sha256
+        row.payload_offset = compiled.payload_offset
+        row.reference_sha256, row.reference_size_bytes = "d" * 64, 99
+        sign_row(row, old)
+        sign_reference(row, old)
+        session.commit()
+    report = resign(
+        embedded_farm.sessions, embedded_farm.store, new, TrustedKeys({old.key_id: old.public_key})
+    )
+    assert report.failures == [] and report.resigned == 1, report.failures[0].reason
+    row = blob_row(embedded_farm, cache_key)
+    assert row.signing_key_id == new.key_id
+    record = {c.key: getattr(row, c.key) for c in Blob.__table__.columns}
+    TrustedKeys({new.key_id: new.public_key}).verify_reference(record)
+
+
+def _real_blob(tmp_path):
+    from farm.core.spec import CompileSpec
+    from farm.server.jobs import compiler
+    from tests import models
+
+    files = {"xml": models.save_ir(models.conv_net(), tmp_path / "m" / "m.xml")}
+    files["bin"] = files["xml"].with_suffix(".bin")
+    (tmp_path / "out").mkdir()
+    return compiler.compile_to_file(files, CompileSpec.create("CPU"), tmp_path / "out", "k" * 64)
+
+
+def _key(path):
+    from farm.core.signing import create_key_pair
+
+    create_key_pair(path / "k.pem")
+    return path / "k.pem"

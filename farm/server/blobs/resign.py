@@ -45,7 +45,7 @@ from farm.core.errors import (
 )
 from farm.core.signing import Manifest, Signer, TrustedKeys
 from farm.core.spec import Target, Toolchain
-from farm.server.blobs.signatures import manifest_of, sign_row
+from farm.server.blobs.signatures import manifest_of, sign_reference, sign_row
 from farm.server.db.models import Blob
 from farm.server.storage import BlobStore
 
@@ -152,12 +152,25 @@ def _check_row(
                 trusted.verify_manifest(manifest, row.signing_key_id, row.manifest_signature)
             else:
                 trusted.verify(row.cache_key, row.sha256, row.signing_key_id, row.signature)
+            if row.reference_sha256 is not None:  # re-signed with the manifest: check it too
+                trusted.verify_reference(_reference_record(row))
         except SignatureError as error:
             raise SignatureError(
                 f"{error}. Not re-signed: to sign it anyway, vouching for the database and "
                 "storage, pass --accept-unverified"
             ) from None
     return _Checked(row.id, row.storage_key, manifest)
+
+
+def _reference_record(row: Blob) -> dict[str, Any]:
+    return {
+        "cache_key": row.cache_key,
+        "sha256": row.sha256,
+        "reference_sha256": row.reference_sha256,
+        "reference_size_bytes": row.reference_size_bytes,
+        "reference_signature": row.reference_signature,
+        "signing_key_id": row.signing_key_id,
+    }
 
 
 def _check_identity(row: Blob) -> None:
@@ -234,5 +247,6 @@ def _sign(sessions: Sessions, signer: Signer, checked: _Checked, report: ResignR
             )
             return
         sign_row(row, signer)
+        sign_reference(row, signer)  # by the key that signs the manifest, or edges refuse it
         session.commit()
     report.resigned += 1
