@@ -268,6 +268,43 @@ def direct_compile_many(xmls: list[str], out_dir: str) -> dict:
     return measured.as_dict()
 
 
+# --- verify: what checking a blob's numbers costs over importing it -----------------------------
+
+
+def import_and_infer_once(blob: str, reference: str) -> dict:
+    """The least an edge does to use a blob: map it, `import_model`, one inference on the
+    reference inputs (the baseline of `farm verify`)."""
+    import openvino as ov
+
+    from farm.core.reference import Reference
+    from farm.edge.importer import import_blob
+
+    inputs = list(Reference.load(Path(reference)).inputs.values())
+    ov.Core().get_versions("CPU")  # the plugin loaded before measuring, as in farm_verify
+    with Measured() as measured:
+        imported = import_blob(blob, "CPU")
+        imported.compiled.create_infer_request().infer(inputs)
+    return measured.as_dict()
+
+
+def farm_verify(key: str, runs: int) -> dict:
+    """`farm verify KEY --runs N` in process, on the embedded farm: resolve, the cached blob
+    re-checked, the reference fetched and checked, import, warm-up, N runs, compare, report."""
+    from farm.cli.common import backend
+    from farm.edge import agent_from_settings
+    from farm.edge.verify import verify_blob
+
+    agent = agent_from_settings(source=backend())
+    import openvino as ov
+
+    ov.Core().get_versions("CPU")
+    with Measured() as measured:
+        result = verify_blob(agent, key, runs=runs)
+    if not result.passed:
+        raise RuntimeError(f"verification failed: {result.error or result.figures}")
+    return {**measured.as_dict(), "latency_p50_ms": result.report()["latency_p50_ms"]}
+
+
 def main() -> int:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
