@@ -37,9 +37,15 @@ _KEY = re.compile(r"^[0-9a-fA-F]{64}$")
     show_default=True,
     help="Timed inferences after one warm-up.",
 )
-@click.option("--atol", type=float, help="Absolute error allowed (default: per target).")
-@click.option("--rtol", type=float, help="Error allowed relative to max|reference|.")
-@click.option("--min-cosine", type=float, help="Lowest cosine similarity allowed.")
+@click.option(
+    "--atol", type=click.FloatRange(min=0), help="Absolute error allowed (default: per target)."
+)
+@click.option(
+    "--rtol", type=click.FloatRange(min=0), help="Error allowed relative to max|reference|."
+)
+@click.option(
+    "--min-cosine", type=click.FloatRange(-1, 1), help="Lowest cosine similarity allowed."
+)
 @click.option(
     "--weights",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),

@@ -182,7 +182,7 @@ def _compare_one(
     if norms == 0.0:  # both zero is a match; one zero is not
         cosine = 1.0 if not want64.any() and not got64.any() else 0.0
     else:
-        cosine = float(np.dot(want64, got64) / norms)
+        cosine = float(np.clip(np.dot(want64, got64) / norms, -1.0, 1.0))  # rounding: 1 + 1e-16
     bound = tolerance.atol + tolerance.rtol * float(np.abs(want64).max())
     passed = max_abs <= bound and cosine >= tolerance.min_cosine
     return OutputComparison(name, max_abs, mean_abs, cosine, passed)

@@ -255,8 +255,10 @@ class EdgeAgent:
         device: str | None = None,
         weights: Path | None = None,
         blob: dict | None = None,
+        report: bool = True,
     ):
-        """Fetch, import from a memory map, report the pull: an `ImportedBlob`."""
+        """Fetch, import from a memory map, report the pull (unless `report` is False: a
+        verification is reported as such, not as an app's pull): an `ImportedBlob`."""
         fetched = self.fetch(cache_key, blob=blob)
         blob = fetched.blob
         device = device or Target.parse(blob["target"]).device
@@ -276,9 +278,11 @@ class EdgeAgent:
             # The lease ends with the imported model (whoever drops it last), not before.
             weakref.finalize(imported, lease.close)
         except Exception as error:
-            self._report(cache_key, ok=False, error=f"{type(error).__name__}: {error}")
+            if report:
+                self._report(cache_key, ok=False, error=f"{type(error).__name__}: {error}")
             raise
-        self._report(cache_key, ok=True, import_seconds=imported.import_seconds)
+        if report:
+            self._report(cache_key, ok=True, import_seconds=imported.import_seconds)
         return imported
 
     def report_download(self, cache_key: str) -> None:

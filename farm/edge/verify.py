@@ -4,7 +4,8 @@
 signature binds them to the blob), imports the blob, runs the reference inputs, compares every
 output (`farm.core.reference.compare`), times a warm-up and N runs, and reports it all to the
 farm with the device's full name and driver. A failed verification quarantines the blob on the
-farm: the first device that catches a bad blob stops it spreading. docs/architecture.md §14.
+farm: the first device that catches a bad blob stops it spreading. A verification is recorded as
+such, not as a pull: pulls count what apps use (`farm gc` reads them). docs/architecture.md §14.
 
 Edge-safe: OpenVINO and numpy only, through the agent's `BlobSource`.
 """
@@ -131,7 +132,7 @@ def verify_blob(
     )
     with _peak_rss() as peak:
         try:
-            imported = agent.load(cache_key, device, weights, blob=record)
+            imported = agent.load(cache_key, device, weights, blob=record, report=False)
             result.import_seconds = imported.import_seconds
             outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
         except Exception as error:  # the blob would not import or run on this device

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,6 +89,34 @@ class AdminFarm:
         return pull_and_report(
             self.api.url, self.tokens["pull"], cache_key, agent, self.workdir / "edge", device
         )
+
+    def verify(self, cache_key: str, agent: str, *options: str, expect: int = 0) -> dict:
+        """`farm verify KEY` on an edge with a pull token, trusting the farm's key."""
+        env = {
+            **self.client_env,
+            "FARM_TOKEN": self.tokens["pull"],
+            "FARM_AGENT_ID": agent,
+            "FARM_CACHE_DIR": str(self.workdir / "verify" / agent),
+            "FARM_TRUSTED_KEYS": str(Path(self.env["FARM_HOME"]) / "keys" / "signing.pem.pub"),
+        }
+        return farm_cli(env, "verify", cache_key, "--runs", "3", *options, expect=expect)
+
+    def give_reference_of(self, source: str, to: str) -> None:
+        """Record blob `source`'s reference outputs as blob `to`'s, signed by the farm's key:
+        what a worker that ran the reference of the wrong model would have stored."""
+        from farm.core.signing import Signer
+        from farm.server.blobs.signatures import sign_reference
+        from farm.server.db.models import Blob
+
+        store = Path(self.env["FARM_STORAGE_URL"]) / "references"
+        shutil.copyfile(store / f"{source}.npz", store / f"{to}.npz")
+        signer = Signer.from_file(Path(self.env["FARM_HOME"]) / "keys" / "signing.pem")
+        with self.sessions() as session:
+            rows = {b.cache_key: b for b in session.scalars(select(Blob))}
+            rows[to].reference_sha256 = rows[source].reference_sha256
+            rows[to].reference_size_bytes = rows[source].reference_size_bytes
+            sign_reference(rows[to], signer)
+            session.commit()
 
     def age(self, model, where, days: float) -> None:
         """Move the `created_at` of `model` rows matching `where` `days` into the past (a test

@@ -60,6 +60,11 @@ def history(database_url, tmp_path):
         ):
             imports[key].append(farm.pull(keys[key], agent, device)["import_seconds"])
         assert not farm.pull(keys["a"], "edge-3", "NPU")["ok"]  # no NPU device here
+        assert farm.verify(keys["a"], "edge-1")["passed"]
+        # b (batch 2) given a's reference (batch 1): it cannot run those inputs; a real failed
+        # verification, which quarantines b.
+        farm.give_reference_of(keys["a"], to=keys["b"])
+        assert farm.verify(keys["b"], "edge-2", expect=9)["error"]
 
         farm.age(Blob, Blob.cache_key == keys["b"], 45)
         farm.age(Pull, Pull.cache_key == keys["b"], 40)
@@ -209,6 +214,23 @@ def check_submitters(rows, h: History):
     assert [(r["submitter"], r["jobs"], r["failed"]) for r in rows] == [("test-submit", 5, 1)]
 
 
+def check_never_verified(rows, h: History):
+    assert [(r["cache_key"], r["quarantined_at"]) for r in rows] == [(h.keys["d"], None)]
+
+
+def check_latency_by_platform(rows, h: History):
+    (row,) = rows  # only a passed
+    assert (row["target"], row["blobs"], row["verifications"]) == ("CPU", 1, 1)
+    assert row["device_name"] and 0 < row["best_p50_ms"] <= row["mean_p50_ms"]
+
+
+def check_failed_somewhere(rows, h: History):
+    (row,) = rows
+    assert (row["cache_key"], row["agent_id"]) == (h.keys["b"], "edge-2")
+    assert "Exception" in row["error"] or "Error" in row["error"]
+    assert row["quarantined_at"] is not None
+
+
 def check_gc_record(rows, h: History):
     assert [(r["state"], r["blobs"], r["bytes"], r["pulls"]) for r in rows] == [
         ("deleted", 1, h.sizes["c"], 0)
@@ -232,6 +254,9 @@ CHECKS = {
     "Pulls per edge agent": check_pulls_per_agent,
     "Workers and their last heartbeat": check_workers,
     "Jobs and failures per submitter": check_submitters,
+    "Blobs never verified on a real device": check_never_verified,
+    "Latency by platform": check_latency_by_platform,
+    "Blobs that failed somewhere": check_failed_somewhere,
     "What `farm gc` deleted": check_gc_record,
 }
 
