@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from farm.core.errors import ApiError, IntegrityMismatch
+from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
 
@@ -125,8 +126,11 @@ class FarmClient:
         specs: list[dict],
         toolchain: dict[str, Any],
         rebuild: bool = False,
+        reference_inputs: str | None = None,
     ) -> dict:
         body = {"model": model, "model_name": name, "specs": specs, "toolchain": toolchain}
+        if reference_inputs:
+            body["reference_inputs"] = reference_inputs
         return self._call("POST", "/v1/submissions", json={**body, "rebuild": rebuild})
 
     def submit_model(
@@ -136,28 +140,37 @@ class FarmClient:
         toolchain: Toolchain,
         uploading: Callable[[int], AbstractContextManager[Progress]] | None = None,
         rebuild: bool = False,
+        reference_inputs: Path | None = None,
     ) -> dict:
         """Submit `ref` for every spec; when a new job needs model files the farm lacks
         (409 `model_missing`), upload only those, then submit again. A hit uploads nothing.
         `uploading(total_bytes)` wraps the uploads and yields the progress callback.
-        `rebuild`: replace the specs' quarantined blobs with new compiles."""
+        `rebuild`: replace the specs' quarantined blobs with new compiles. `reference_inputs`:
+        an .npz of inputs new jobs compute their reference outputs from (uploaded likewise)."""
         body = [{"target": spec.target.name, **spec.canonical()} for spec in specs]
+        sources = {sha: ref.files[role] for role, sha in ref.identity.items()}
+        inputs_sha = None
+        if reference_inputs is not None:
+            inputs_sha = sha256_file(reference_inputs)
+            sources[inputs_sha] = reference_inputs
         wire_toolchain = {
             "openvino": toolchain.openvino,
             "runtime_requirements": toolchain.runtime_requirements,
         }
         try:
-            return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild)
+            return self.submit(
+                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha
+            )
         except ApiError as error:
             if error.code != "model_missing":
                 raise
-        missing = set(self.missing(sorted(set(ref.identity.values()))))
-        files = [(sha, ref.files[role]) for role, sha in ref.identity.items() if sha in missing]
+        missing = set(self.missing(sorted(sources)))
+        files = [(sha, path) for sha, path in sources.items() if sha in missing]
         total = sum(path.stat().st_size for _, path in files)
         with (uploading or _no_progress)(total) as advance:
             for sha, path in files:
                 self.upload(sha, path, advance)
-        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild)
+        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha)
 
     # --- jobs ---------------------------------------------------------------------------------
 

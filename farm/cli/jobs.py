@@ -44,6 +44,7 @@ from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.errors import NotFound, WaitTimeout
 from farm.core.identity import ModelRef
+from farm.core.reference import load_inputs
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import printable, toolchains_text
 from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
@@ -107,6 +108,13 @@ def _split(value: str | None) -> list[str]:
     help="Compile for this toolchain (a file `farm toolchain --json` wrote; - for stdin).",
 )
 @click.option(
+    "--inputs",
+    "reference_inputs",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Reference inputs (.npz, arrays named after the model's inputs) the worker computes "
+    "the blob's reference outputs from, for farm verify; default: inputs seeded from the key.",
+)
+@click.option(
     "--rebuild",
     is_flag=True,
     help="Compile again where the blob is quarantined (a failed farm verify): a new job and a "
@@ -120,6 +128,7 @@ def submit(
     wait: bool,
     wait_timeout: float,
     toolchain_file: Any,
+    reference_inputs: Path | None,
     rebuild: bool,
     quiet: bool,
     as_json: bool,
@@ -149,7 +158,11 @@ def submit(
         wanted = toolchain.host_toolchain(cpu or specs[0].target)
     farm = backend()
     progress = _SubmitProgress(model.name, quiet or as_json)
-    answer = farm.submit(ref, specs, wanted, progress, rebuild=rebuild)
+    if reference_inputs is not None:
+        load_inputs(reference_inputs)  # a bad file is exit 2 here, not a note on the blob later
+    answer = farm.submit(
+        ref, specs, wanted, progress, rebuild=rebuild, reference_inputs=reference_inputs
+    )
     if wait:
         for result in answer["results"]:
             if result["job"] and result["job"]["state"] not in FINAL_STATES:

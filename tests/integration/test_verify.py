@@ -11,9 +11,11 @@ import sqlite3
 from pathlib import Path
 
 import httpx
+import numpy as np
 import onnx
 import pytest
 
+from farm.core.reference import Reference
 from farm.core.signing import Signer
 from tests import models
 from tests.integration.served import ApiServer
@@ -144,3 +146,37 @@ def _give_reference_of(home: Path, source: str, to: str) -> None:
             "reference_signature = ? WHERE cache_key = ?",
             (digest, size, signature, to),
         )
+
+
+def test_the_submitters_inputs_make_the_reference_through_the_api_and_directly(lab, tmp_path):
+    home, farm_env, edge_env, _ = lab
+    submit_token = ok_json(farm_env, "token", "create", "--name", "ci", "--role", "submit")
+    over_api = {**edge_env, "FARM_TOKEN": submit_token["token"]}
+    inputs = tmp_path / "inputs.npz"
+    pixels = np.linspace(-2, 2, 3 * 32 * 32, dtype=np.float32).reshape(1, 3, 32, 32)
+    np.savez(inputs, x=pixels)
+    for number, env in enumerate((over_api, farm_env)):
+        model = models.save_ir(models.conv_net(seed=10 + number), tmp_path / f"m{number}" / "m.xml")
+        answer = ok_json(env, "submit", str(model), "-d", "CPU", "--inputs", str(inputs), "--wait")
+        key = answer["cache_key"]
+        reference = Reference.load(home / "store" / "references" / f"{key}.npz")
+        assert np.array_equal(reference.inputs["x"], pixels)
+        assert ok_json(edge_env, "verify", key)["passed"] is True
+    (stored,) = sql(
+        home, "SELECT DISTINCT reference_inputs FROM jobs WHERE reference_inputs IS NOT NULL"
+    )
+    assert (home / "store" / "models" / stored[0]).exists()
+
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, pixels=pixels, other=pixels)
+    model = models.save_ir(models.conv_net(seed=20), tmp_path / "w" / "m.xml")
+    key = ok_json(farm_env, "submit", str(model), "-d", "CPU", "--inputs", str(wrong))["cache_key"]
+    ((note,),) = sql(home, "SELECT reference_note FROM blobs WHERE cache_key = ?", key)
+    assert "no array for the model's input 'x'" in note
+    refused = run_farm(edge_env, "verify", key)
+    assert refused.returncode == 3 and "no reference outputs" in refused.stderr
+
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not an npz")
+    bad = run_farm(farm_env, "submit", str(model), "-d", "CPU", "--inputs", str(garbage))
+    assert bad.returncode == 2 and "not a readable .npz" in bad.stderr

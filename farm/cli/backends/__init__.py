@@ -40,9 +40,11 @@ class Backend(Protocol):
         toolchain: Toolchain,
         progress: SubmitProgress,
         rebuild: bool = False,
+        reference_inputs: Path | None = None,
     ) -> dict[str, Any]:
         """`{"submission_id", "results": [{"cache_key", "target", "outcome", "job"}]}`.
-        `rebuild`: replace the specs' quarantined blobs with new compiles."""
+        `rebuild`: replace the specs' quarantined blobs with new compiles. `reference_inputs`:
+        an .npz the new jobs compute their reference outputs from."""
         ...
 
     def job(self, job_id: int) -> dict[str, Any]: ...

@@ -21,6 +21,7 @@ from farm.cli.backends import Advance, SubmitProgress
 from farm.core.checks import Check
 from farm.core.config import Settings
 from farm.core.errors import KeyFileError, NotFound
+from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
@@ -35,7 +36,7 @@ from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
-from farm.server.storage import reference_storage_key
+from farm.server.storage import model_storage_key, reference_storage_key
 from farm.server.views import (
     blob_dict,
     job_dict,
@@ -70,7 +71,14 @@ class Direct:
         toolchain: Toolchain,
         progress: SubmitProgress,
         rebuild: bool = False,
+        reference_inputs: Path | None = None,
     ) -> dict[str, Any]:
+        inputs_sha = None
+        if reference_inputs is not None:  # stored like a model file, where the worker reads it
+            inputs_sha = sha256_file(reference_inputs)
+            self.farm.store.put_file(
+                model_storage_key(inputs_sha), reference_inputs, expected_sha256=inputs_sha
+            )
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
@@ -87,6 +95,7 @@ class Direct:
                     describe_model=lambda: ref.info,
                     upload_from=ref,
                     refuse_uncompilable=not self.farm.settings.served,
+                    reference_inputs=inputs_sha,
                 )
         finally:
             dispatcher.close()

@@ -28,8 +28,11 @@ class Http:
         toolchain: Toolchain,
         progress: SubmitProgress,
         rebuild: bool = False,
+        reference_inputs: Path | None = None,
     ) -> dict[str, Any]:
-        return self.client.submit_model(ref, specs, toolchain, progress.uploading, rebuild)
+        return self.client.submit_model(
+            ref, specs, toolchain, progress.uploading, rebuild, reference_inputs
+        )
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)

@@ -91,6 +91,11 @@ class SubmissionRequest(Strict):
     model_name: FileName
     specs: list[SpecIn] = Field(min_length=1, description="One job per spec (a matrix).")
     toolchain: ToolchainIn = Field(description="The toolchain the edge will import with.")
+    reference_inputs: Sha256 | None = Field(
+        None,
+        description="sha256 of reference inputs (.npz) uploaded like a model file "
+        "(PUT /v1/models/{sha256}); new jobs compute their reference outputs from them.",
+    )
     rebuild: bool = Field(
         False,
         description="Replace the specs' quarantined blobs with new compiles (409 when "

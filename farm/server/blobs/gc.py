@@ -138,10 +138,16 @@ def unreferenced_model_files(
 
 
 def _named_model_files(session: Session, since: datetime | None = None) -> set[str]:
+    """Every model's files, and the reference inputs of jobs still to run (a finished job's
+    are no longer needed: its reference is computed)."""
     query = select(Model.files)
     if since is not None:
         query = query.where(Model.created_at >= since)
-    return {sha256 for files in session.scalars(query) for sha256 in files.values()}
+    named = {sha256 for files in session.scalars(query) for sha256 in files.values()}
+    inputs = select(Job.reference_inputs).where(
+        Job.reference_inputs.is_not(None), Job.state.in_(ACTIVE_STATES)
+    )
+    return named | {sha256 for sha256 in session.scalars(inputs) if sha256}
 
 
 def collect(

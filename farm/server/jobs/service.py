@@ -54,18 +54,22 @@ def submit(
     submitter: str | None = None,
     submission_id: str | None = None,
     max_attempts: int | None = None,
+    reference_inputs: str | None = None,
 ) -> Submission:
     """Return the hit, the active job for the same cache key, or a new queued job (committed).
 
     The caller sends a new job's message only after this commit (`submit_matrix`). A new job
     needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
     claims the new job gets (`Settings.max_attempts`); None: the column's default.
+    `reference_inputs`: sha256 of the submitter's reference inputs, stored like a model file
+    (it must be in the store too); a hit ignores it (the blob keeps the reference it has).
     """
     known = known_outcome(session, model.identity, spec, toolchain)
     if known is not None:
         return known
     key = key_for(model.identity, spec, toolchain)
-    missing = missing_model_files(store, model.identity.values())
+    needed = [*model.identity.values(), *([reference_inputs] if reference_inputs else [])]
+    missing = missing_model_files(store, needed)
     if missing:
         raise ModelMissing(missing)
     model_row = register_model(session, model)
@@ -80,6 +84,7 @@ def submit(
         submitter=submitter,
         submission_id=submission_id,
         created_at=now(),
+        reference_inputs=reference_inputs,
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
@@ -146,6 +151,7 @@ def submit_matrix(
     upload_from: ModelRef | None = None,
     submitter: str | None = None,
     refuse_uncompilable: bool = False,
+    reference_inputs: str | None = None,
 ) -> MatrixSubmission:
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
@@ -158,6 +164,7 @@ def submit_matrix(
     `refuse_uncompilable`: the embedded CLI compiles on this host, so a new job for a target
     this host cannot compile is refused (CompilerUnavailable) before anything is stored; the
     embedded API records such a job, which then fails with the same reason.
+    `reference_inputs`: the sha256 of the submitter's reference inputs, for every new job.
     """
     submission_id = uuid.uuid4().hex
     known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
@@ -184,6 +191,7 @@ def submit_matrix(
                 submitter=submitter,
                 submission_id=submission_id,
                 max_attempts=settings.max_attempts,
+                reference_inputs=reference_inputs,
             )
             try:
                 outcome = new()

@@ -68,6 +68,7 @@ def submit(
                 identity, body.model_name, _stored_size(farm.store, identity)
             ),
             submitter=caller.name,
+            reference_inputs=body.reference_inputs,
         )
         return SubmissionResponse(
             submission_id=submitted.submission_id,
