@@ -303,6 +303,9 @@ class FarmClient:
     def release(self, cache_key: str) -> dict:
         return self._call("POST", f"/v1/blobs/{cache_key}/release")
 
+    def delete_blob(self, cache_key: str) -> None:
+        self._request("DELETE", f"/v1/blobs/{cache_key}")
+
 
 @contextlib.contextmanager
 def _no_progress(_total: int) -> Iterator[Progress]:

@@ -1,4 +1,5 @@
-"""`farm blobs quarantine|release KEY`: an admin stops a blob spreading, or lets it go again.
+"""`farm blobs quarantine|release|delete KEY`: an admin stops a blob spreading, lets it go
+again, or deletes it.
 
 A failed `farm verify` quarantines a blob by itself; these are for what a person found (and for
 releasing a blob whose failure was the device's, not the blob's). Through the API they need an
@@ -11,7 +12,15 @@ import functools
 
 import click
 
-from farm.cli.common import backend, check_key, emit, handle_errors, json_option, print_blob
+from farm.cli.common import (
+    backend,
+    check_key,
+    emit,
+    handle_errors,
+    json_option,
+    print_blob,
+    say,
+)
 from farm.cli.jobs import blobs
 
 
@@ -34,3 +43,15 @@ def release(cache_key: str, as_json: bool) -> None:
     """Lift a blob's quarantine; its verifications stay on record."""
     blob = backend().release(check_key(cache_key))
     emit(blob, as_json, functools.partial(print_blob, blob))
+
+
+@blobs.command("delete")
+@click.argument("cache_key")
+@json_option
+@handle_errors
+def delete(cache_key: str, as_json: bool) -> None:
+    """Delete a quarantined blob (its verifications stay on record); a blob in use is left to
+    `farm gc`."""
+    key = check_key(cache_key)
+    backend().delete_blob(key)
+    emit({"cache_key": key, "deleted": True}, as_json, lambda: say(f"deleted blob {key}"))

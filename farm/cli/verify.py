@@ -22,7 +22,6 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.edge import edge_agent, key_of
-from farm.core.reference import Tolerance, default_tolerance
 
 _KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 
@@ -80,20 +79,15 @@ def verify(
     agent = edge_agent()
     agent.allow_quarantined = allow_quarantined
     record = agent.resolve(key)
-    base = default_tolerance(record["target"].split(".")[0])
-    tolerance = Tolerance(
-        atol if atol is not None else base.atol,
-        rtol if rtol is not None else base.rtol,
-        min_cosine if min_cosine is not None else base.min_cosine,
-    )
     result = verify_blob(
         agent,
         key,
         _device(run_on),
         runs=runs,
-        tolerance=tolerance,
+        overrides={"atol": atol, "rtol": rtol, "min_cosine": min_cosine},
         weights=weights or model_bin,
     )
+    tolerance = result.tolerance
     data = {
         "cache_key": key,
         "target": record["target"],
@@ -135,10 +129,12 @@ def verify(
 
 
 def _device(given: str | None) -> str | None:
-    """`--device` for a cache key: the OpenVINO device to run on ("NPU", "CPU"), also given as
-    a target name ("4000" runs on the NPU)."""
+    """`--device` for a cache key: the OpenVINO device to run on ("NPU", "NPU.0", "CPU"), also
+    given as a target name ("4000" runs on the NPU)."""
     if given is None:
         return None
+    if re.fullmatch(r"CPU|NPU(\.\d{1,2})?", given.upper()):  # OpenVINO's own names
+        return given.upper()
     from farm.core.spec import Target
 
     return Target.parse(given).device

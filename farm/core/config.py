@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     """Largest blob one compile may write; a compile past it fails its job and stores nothing.
     Default: 4 times the model's bytes plus 256 MiB (a few KB of IR can broadcast a constant to
     GBs at compile time)."""
+    quarantine_on_failure: bool = True
+    """A failed `farm verify` report quarantines its blob (edges refuse it until an admin
+    releases it). Any pull token may report: a fleet whose edges' tokens are not trusted that
+    far turns this off and quarantines by hand (`farm blobs quarantine`)."""
     reference_outputs: bool = True
     """Run each compiled model's source on CPU in f32 and store its outputs beside the blob, for
     `farm verify` on the edges. Skipped (with the reason recorded) for a model too large for

@@ -42,17 +42,17 @@ class InputSpec:
 def seeded_inputs(cache_key: str, inputs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
     """Deterministic inputs: each seeded from the cache key and the input's name, so the same
     key always gets the same numbers (and different inputs differ). Floats are uniform in
-    [-1, 1), integers in [0, 8) (small enough to be valid indices and token ids of most
-    models; a model that needs real data takes the submitter's `--inputs`)."""
+    [-1, 1), integers and booleans 0 or 1: valid as token ids, token type ids, attention masks
+    and indices of any model (a larger value can index past a small table, or turn a mask's
+    `(1 - m) * -10000` into an fp16 overflow on an NPU). A model that needs real data takes
+    the submitter's `--inputs`."""
     made = {}
     for spec in inputs:
         seed = int.from_bytes(hashlib.sha256(f"{cache_key}\n{spec.name}".encode()).digest()[:8])
         rng = np.random.default_rng(seed)
         dtype = np.dtype(spec.dtype)
-        if np.issubdtype(dtype, np.integer):
-            made[spec.name] = rng.integers(0, 8, size=spec.shape).astype(dtype)
-        elif dtype == np.bool_:
-            made[spec.name] = rng.integers(0, 2, size=spec.shape).astype(np.bool_)
+        if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+            made[spec.name] = rng.integers(0, 2, size=spec.shape).astype(dtype)
         else:
             made[spec.name] = (rng.random(spec.shape, dtype=np.float64) * 2 - 1).astype(dtype)
     return made
@@ -104,9 +104,12 @@ class Reference:
 def load_inputs(path: Path) -> dict[str, np.ndarray]:
     """The submitter's `--inputs` file: an `.npz` of arrays named after the model's inputs."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("one array (.npy), not an .npz of arrays named after the inputs")
+        with loaded as archive:
             return {name: archive[name] for name in archive.files}
-    except (OSError, EOFError, ValueError) as error:
+    except (OSError, EOFError, ValueError, TypeError) as error:
         raise SpecError(f"--inputs {path}: not a readable .npz of input arrays ({error})") from None
 
 
@@ -151,14 +154,15 @@ def compare(
     actual: Mapping[str, np.ndarray],
     tolerance: Tolerance,
 ) -> list[OutputComparison]:
-    """Each expected output against the one of the same name (or, when names differ, the same
-    position): a missing output or another shape fails."""
-    by_position = list(actual.values())
+    """Each expected output against the one of the same name, else (a compiled blob may rename
+    its outputs) the one at the same position, if that one's name matches no expected output:
+    a missing output or another shape fails."""
+    positions = list(actual)
     results = []
     for index, (name, want) in enumerate(expected.items()):
         got = actual.get(name)
-        if got is None and index < len(by_position):
-            got = by_position[index]
+        if got is None and index < len(positions) and positions[index] not in expected:
+            got = actual[positions[index]]
         if got is None or np.shape(got) != np.shape(want):
             results.append(OutputComparison(name, math.inf, math.inf, 0.0, False))
             continue

@@ -100,17 +100,22 @@ def sync_once(
             toolchain = entry.toolchain or host_toolchain(entry.spec.target)
             key = key_for(ref.identity, entry.spec, toolchain)
             fetched = agent.fetch(key)
+            detail = None
             if do_verify:
                 outcome = verify_once(agent, key, weights=ref.files.get("bin"))
-                if outcome is not None and not outcome.passed:
-                    detail = outcome.error or "outputs outside tolerance; the farm quarantined it"
-                    results.append(SyncResult(label, summary, "failed", key, detail))
+                if outcome is None:
+                    detail = "not verified: the blob has no reference outputs"
+                elif not outcome["passed"]:
+                    why = outcome["error"] or "outputs outside tolerance"
+                    results.append(SyncResult(label, summary, "failed", key, why))
                     continue
-            elif do_import:
+            if do_import:
                 agent.load(key, weights=ref.files.get("bin"), blob=fetched.blob)
-            elif fetched.downloaded:
+            elif fetched.downloaded:  # a verification is not a pull; gc counts pulls
                 agent.report_download(key)
-            results.append(SyncResult(label, summary, "ready", key, downloaded=fetched.downloaded))
+            results.append(
+                SyncResult(label, summary, "ready", key, detail, downloaded=fetched.downloaded)
+            )
         except NotFound:
             results.append(SyncResult(label, summary, "missing", key, "the farm has no blob yet"))
         except Incompatible as error:

@@ -18,7 +18,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import numpy as np
 import openvino as ov
 
 from farm.core import hashing
-from farm.core.errors import BlobNotAvailable, IntegrityMismatch
+from farm.core.errors import BlobNotAvailable, FarmError, Incompatible, IntegrityMismatch
 from farm.core.reference import (
     Reference,
     Tolerance,
@@ -37,7 +37,7 @@ from farm.core.reference import (
     summary,
 )
 from farm.core.spec import Target
-from farm.edge.agent import EdgeAgent
+from farm.edge.agent import EdgeAgent, verify_weights
 
 DEFAULT_RUNS = 10
 WARMUP_RUNS = 1
@@ -105,20 +105,31 @@ def verify_blob(
     device: str | None = None,
     *,
     runs: int = DEFAULT_RUNS,
-    tolerance: Tolerance | None = None,
+    overrides: Mapping[str, float | None] | None = None,
     weights: Path | None = None,
     report: bool = True,
 ) -> Verification:
     """Verify the blob of `cache_key` on `device` (default: its target's) and report it (unless
-    `report` is False). A blob that cannot be imported or run here is a failed verification
-    when the failure is the blob's (reported); refusals before the import (signature, digest,
-    quarantine, no reference) raise, reporting nothing: they say nothing about the blob's
-    numbers."""
+    `report` is False). `overrides`: atol, rtol or min_cosine instead of the defaults.
+
+    Only a failure that is the blob's is a failed verification (reported, and the farm then
+    quarantines the blob): OpenVINO refusing to import it, or to run the reference inputs, or
+    outputs outside tolerance. Everything that says nothing about the blob raises and reports
+    nothing: refusals of the record (signature, digest, quarantine), no reference outputs, no
+    such device on this machine, a device of another class than the blob's target, a
+    weightless blob without its model's own `.bin`."""
     record = agent.resolve(cache_key)
     fetched = agent.fetch(cache_key, blob=record)
     blob = fetched.blob
     target = Target.parse(blob["target"])
     device = device or target.device
+    _check_device(device, target)
+    if blob.get("weightless"):
+        if weights is None:
+            raise IntegrityMismatch(
+                f"blob {cache_key} is weightless: give the model's own .bin (--weights)"
+            )
+        verify_weights(blob, weights)
     reference = _reference(agent, record)
     result = Verification(
         cache_key=cache_key,
@@ -128,14 +139,18 @@ def verify_blob(
         device_name=_device_property(device, "FULL_DEVICE_NAME") or device,
         openvino_version=ov.get_version(),
         driver_version=_device_property(device, "NPU_DRIVER_VERSION") if "NPU" in device else None,
-        tolerance=tolerance or default_tolerance(target.device),
+        tolerance=_tolerance(target, None, overrides),
     )
     with _peak_rss() as peak:
         try:
             imported = agent.load(cache_key, device, weights, blob=record, report=False)
             result.import_seconds = imported.import_seconds
+            precision = _property_of(imported.compiled, "INFERENCE_PRECISION_HINT")
+            result.tolerance = _tolerance(target, precision, overrides)
             outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
-        except Exception as error:  # the blob would not import or run on this device
+        except FarmError:
+            raise  # the farm's or this machine's refusal: nothing to say about the blob
+        except Exception as error:  # OpenVINO would not import or run it on this device
             result.error = f"{type(error).__name__}: {error}"[:4000]
         else:
             result.figures = summary(compare(reference.outputs, outputs, result.tolerance))
@@ -148,26 +163,77 @@ def verify_blob(
 
 def verify_once(
     agent: EdgeAgent, cache_key: str, device: str | None = None, weights: Path | None = None
-) -> Verification | None:
-    """Verify the blob unless this device already did (a stamp in the cache beside it, keyed
-    by the blob's bytes and the device's name); None when it did and passed. A failure is not
-    stamped: the next pass verifies again, and the farm has quarantined the blob anyway."""
+) -> dict[str, Any] | None:
+    """Verify the blob unless this device already did; the report (this run's, or the one
+    kept), or None when the blob has no reference outputs to verify against (nothing to do).
+
+    The report is kept in the cache, keyed by the blob's bytes, the device's full name, its
+    driver and this machine's OpenVINO: a driver or OpenVINO update verifies again. A failure
+    is kept too: an admin who releases a blob this device failed is not overruled on the next
+    pass (the farm has the failed report)."""
     record = agent.resolve(cache_key)
+    if not record.get("reference_sha256"):
+        return None
     target_device = device or Target.parse(record["target"]).device
     stamp = _stamp(agent, record, target_device)
     if stamp.exists():
-        return None
+        with contextlib.suppress(OSError, ValueError):
+            kept = json.loads(stamp.read_text())
+            if isinstance(kept, dict) and "passed" in kept:
+                return kept
     result = verify_blob(agent, cache_key, target_device, weights=weights)
-    if result.passed:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(result.report()))
-    return result
+    outcome = result.report()
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(outcome))
+    return outcome
 
 
 def _stamp(agent: EdgeAgent, record: dict[str, Any], device: str) -> Path:
-    name = _device_property(device, "FULL_DEVICE_NAME") or device
-    mark = hashlib.sha256(f"{record['sha256']}\n{name}".encode()).hexdigest()[:32]
+    driver = _device_property(device, "NPU_DRIVER_VERSION") if "NPU" in device else None
+    identity = "\n".join(
+        [
+            record["sha256"],
+            _device_property(device, "FULL_DEVICE_NAME") or device,
+            driver or "",
+            ov.get_version(),
+        ]
+    )
+    mark = hashlib.sha256(identity.encode()).hexdigest()[:32]
     return agent.cache.root / "verified" / f"{record['cache_key']}.{mark}.json"
+
+
+def _check_device(device: str, target: Target) -> None:
+    """The device exists here and is of the blob's class (a CPU cannot run an NPU blob: that
+    is no failure of the blob)."""
+    wanted = target.device
+    if device.split(".")[0].upper() != wanted:
+        raise Incompatible(f"the blob is for {target.name}; it cannot run on {device}")
+    available = ov.Core().available_devices
+    if not any(name.split(".")[0] == wanted for name in available):
+        raise Incompatible(
+            f"this machine has no {wanted} device (OpenVINO sees {', '.join(available) or 'none'})"
+        )
+
+
+def _tolerance(
+    target: Target, precision: str | None, overrides: Mapping[str, float | None] | None
+) -> Tolerance:
+    """The target's default, or fp16's where a CPU computes in less than f32 (bf16 on AMX
+    Xeons, f16 on ARM, a blob compiled with INFERENCE_PRECISION_HINT=f16), then `overrides`."""
+    device = target.device
+    if device == "CPU" and precision and precision.lower() not in ("f32", "float32"):
+        device = "NPU"  # the fp16-sized tolerance
+    base = default_tolerance(device)
+    values = {"atol": base.atol, "rtol": base.rtol, "min_cosine": base.min_cosine}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return Tolerance(**values)
+
+
+def _property_of(compiled: ov.CompiledModel, name: str) -> str | None:
+    try:
+        return str(compiled.get_property(name))
+    except Exception:  # a plugin without it
+        return None
 
 
 def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:

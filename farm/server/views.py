@@ -82,6 +82,9 @@ def verification_dict(verification: Verification) -> dict[str, Any]:
         "latency_p90_ms": verification.latency_p90_ms,
         "latency_min_ms": verification.latency_min_ms,
         "import_seconds": verification.import_seconds,
+        "peak_rss_bytes": verification.peak_rss_bytes,
+        "tolerance": verification.tolerance,
+        "outputs": verification.outputs,
         "error": verification.error,
         "created_at": verification.created_at,
     }

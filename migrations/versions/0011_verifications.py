@@ -54,7 +54,7 @@ VIEWS = {
         """,
     ),
     "device_latency": (
-        "Per target and device (its full name): blobs verified on it, and the median, best "
+        "Per target and device (its full name): blobs verified on it, and the mean, best "
         "and worst of their p50 latencies, milliseconds (passed verifications).",
         """
         SELECT target, device_name,
@@ -216,6 +216,7 @@ def upgrade() -> None:
         "never updated; blob_id set null when the blob is deleted.",
     )
     op.create_index("ix_verifications_blob_id", "verifications", ["blob_id"])
+    op.create_index("ix_verifications_cache_key_id", "verifications", ["cache_key", "id"])
     op.create_index("ix_verifications_target_device", "verifications", ["target", "device_name"])
     for name, (comment, sql) in VIEWS.items():
         op.execute(f"CREATE VIEW {name} AS {sql}")

@@ -109,10 +109,12 @@ class AdminFarm:
         from farm.server.db.models import Blob
 
         store = Path(self.env["FARM_STORAGE_URL"]) / "references"
-        shutil.copyfile(store / f"{source}.npz", store / f"{to}.npz")
         signer = Signer.from_file(Path(self.env["FARM_HOME"]) / "keys" / "signing.pem")
         with self.sessions() as session:
             rows = {b.cache_key: b for b in session.scalars(select(Blob))}
+            digest = rows[source].reference_sha256
+            (store / to).mkdir(exist_ok=True)
+            shutil.copyfile(store / source / f"{digest}.npz", store / to / f"{digest}.npz")
             rows[to].reference_sha256 = rows[source].reference_sha256
             rows[to].reference_size_bytes = rows[source].reference_size_bytes
             sign_reference(rows[to], signer)

@@ -6,8 +6,11 @@ is quarantined, is refused by edges, and is replaced by a rebuild, its history k
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -133,10 +136,11 @@ def _give_reference_of(home: Path, source: str, to: str) -> None:
     """Store blob `source`'s reference outputs as blob `to`'s, signed by the farm's own key:
     what a worker that ran the reference on the wrong weights would have recorded."""
     store = home / "store" / "references"
-    shutil.copyfile(store / f"{source}.npz", store / f"{to}.npz")
     ((digest, size),) = sql(
         home, "SELECT reference_sha256, reference_size_bytes FROM blobs WHERE cache_key = ?", source
     )
+    (store / to).mkdir(exist_ok=True)
+    shutil.copyfile(store / source / f"{digest}.npz", store / to / f"{digest}.npz")
     ((blob_sha,),) = sql(home, "SELECT sha256 FROM blobs WHERE cache_key = ?", to)
     signer = Signer.from_file(home / "keys" / "signing.pem")
     signature = signer.sign_reference(to, blob_sha, digest, size)
@@ -159,7 +163,8 @@ def test_the_submitters_inputs_make_the_reference_through_the_api_and_directly(l
         model = models.save_ir(models.conv_net(seed=10 + number), tmp_path / f"m{number}" / "m.xml")
         answer = ok_json(env, "submit", str(model), "-d", "CPU", "--inputs", str(inputs), "--wait")
         key = answer["cache_key"]
-        reference = Reference.load(home / "store" / "references" / f"{key}.npz")
+        (digest,) = sql(home, "SELECT reference_sha256 FROM blobs WHERE cache_key = ?", key)[0]
+        reference = Reference.load(home / "store" / "references" / key / f"{digest}.npz")
         assert np.array_equal(reference.inputs["x"], pixels)
         assert ok_json(edge_env, "verify", key)["passed"] is True
     (stored,) = sql(
@@ -180,3 +185,47 @@ def test_the_submitters_inputs_make_the_reference_through_the_api_and_directly(l
     garbage.write_bytes(b"not an npz")
     bad = run_farm(farm_env, "submit", str(model), "-d", "CPU", "--inputs", str(garbage))
     assert bad.returncode == 2 and "not a readable .npz" in bad.stderr
+
+
+def test_sync_and_the_sdk_verify_once_per_device_and_refusals_report_nothing(lab, tmp_path):
+    home, farm_env, edge_env, _ = lab
+    model = models.save_ir(models.conv_net(seed=5), tmp_path / "fleet" / "net.xml")
+    other = models.save_ir(models.conv_net(seed=6), tmp_path / "other" / "net.xml")
+    key, other_key = submit(farm_env, model), submit(farm_env, other)
+    manifest = tmp_path / "fleet" / "fleet.toml"
+    manifest.write_text('[[model]]\npath = "net.xml"\ndevice = "CPU"\n')
+    count = "SELECT count(*) FROM verifications WHERE cache_key = ?"
+    for _ in range(2):  # the second pass finds this device's stamp
+        (entry,) = ok_json(edge_env, "agent", "sync", str(manifest), "--verify")
+        assert (entry["status"], entry["cache_key"]) == ("ready", key)
+    assert sql(home, count, key) == [(1,)]
+    assert sql(home, "SELECT count(*) FROM pulls WHERE cache_key = ?", key) == [
+        (1,)
+    ]  # the download
+
+    on_npu = run_farm(edge_env, "verify", key, "--device", "NPU")
+    assert on_npu.returncode == 4 and "cannot run on NPU" in on_npu.stderr
+    assert sql(home, count, key) == [(1,)]  # not the blob's failure: nothing reported
+
+    _give_reference_of(home, other_key, to=key)  # now key's blob diverges from its reference
+    sdk = (
+        "import sys, farm.edge\n"
+        "try:\n"
+        "    farm.edge.compile_model(sys.argv[1], device='CPU', verify=True)\n"
+        "except farm.edge.VerificationFailed as error:\n"
+        "    print('refused:', error)\n"
+    )
+    fresh_cache = {**edge_env, "FARM_CACHE_DIR": str(tmp_path / "sdk-cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", sdk, str(model)],
+        env={**os.environ, **fresh_cache},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: blob" in done.stdout and "outside tolerance" in done.stdout
+    assert sql(home, "SELECT quarantined_at IS NOT NULL FROM blobs WHERE cache_key = ?", key) == [
+        (1,)
+    ]

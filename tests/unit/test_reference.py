@@ -35,7 +35,7 @@ def test_seeded_inputs_are_the_same_for_a_key_and_differ_across_keys_and_inputs(
         assert not np.array_equal(first[name], other[name])
     assert first["pixels"].dtype == np.float32 and first["pixels"].shape == (1, 3, 4, 4)
     assert first["pixels"].min() >= -1 and first["pixels"].max() < 1
-    assert first["ids"].dtype == np.int64 and set(np.unique(first["ids"])) <= set(range(8))
+    assert first["ids"].dtype == np.int64 and set(np.unique(first["ids"])) == {0, 1}
     two_same = seeded_inputs(
         KEY_A, [InputSpec("a", (64,), "float32"), InputSpec("b", (64,), "float32")]
     )
@@ -47,7 +47,7 @@ def test_seeded_inputs_are_pinned_so_a_numpy_upgrade_cannot_move_them_silently()
     this fails, numpy changed its generator: bump REFERENCE_FORMAT, do not edit the numbers."""
     made = seeded_inputs(KEY_A, [InputSpec("x", (3,), "float32"), InputSpec("i", (4,), "int32")])
     assert made["x"].tolist() == pytest.approx([0.35676482, 0.17616679, 0.00780375], abs=1e-7)
-    assert made["i"].tolist() == [3, 1, 2, 5]
+    assert made["i"].tolist() == [0, 0, 0, 1]
 
 
 def test_a_reference_file_round_trips_names_dtypes_and_shapes():
@@ -74,6 +74,19 @@ def test_anything_but_a_reference_file_is_refused(content, tmp_path):
         path.write_bytes(content)
     with pytest.raises(IntegrityMismatch, match="not a farm reference file"):
         Reference.load(path)
+
+
+def test_submitted_inputs_must_be_an_npz_of_named_arrays(tmp_path):
+    from farm.core.errors import SpecError
+    from farm.core.reference import load_inputs
+
+    single = tmp_path / "x.npy"
+    np.save(single, np.zeros(3))
+    with pytest.raises(SpecError, match=r"not a readable \.npz"):
+        load_inputs(single)
+    named = tmp_path / "x.npz"
+    np.savez(named, pixels=np.ones(2))
+    assert list(load_inputs(named)) == ["pixels"]
 
 
 def test_a_pickled_array_is_never_loaded(tmp_path):
@@ -121,6 +134,12 @@ def test_missing_outputs_other_shapes_and_nan_fail():
 def test_outputs_are_matched_by_position_when_the_blob_renames_them():
     result = compare({"source_name": np.ones(3)}, {"Result_7": np.ones(3)}, TIGHT)[0]
     assert result.passed and result.name == "source_name"
+
+
+def test_position_never_pairs_an_output_with_another_expected_one():
+    expected = {"a": np.zeros(3), "b": np.ones(3)}
+    a, b = compare(expected, {"b": np.ones(3), "x": np.zeros(3)}, TIGHT)
+    assert (a.passed, b.passed) == (False, True)  # a is missing; never compared with b
 
 
 def test_summary_reports_the_worst_output():
@@ -181,3 +200,15 @@ def _key(tmp_path):
     path = tmp_path / "k.pem"
     create_key_pair(path)
     return path
+
+
+def test_a_cpu_computing_in_less_than_f32_gets_the_fp16_tolerance_and_overrides_win():
+    from farm.core.spec import Target
+    from farm.edge.verify import _tolerance
+
+    cpu = Target.parse("CPU")
+    assert _tolerance(cpu, "f32", None) == DEFAULT_TOLERANCES["CPU"]
+    assert _tolerance(cpu, "bf16", None) == DEFAULT_TOLERANCES["NPU"]
+    assert _tolerance(Target.parse("4000"), None, None) == DEFAULT_TOLERANCES["NPU"]
+    loose = _tolerance(cpu, "f32", {"atol": 0.5, "rtol": None, "min_cosine": None})
+    assert (loose.atol, loose.rtol) == (0.5, DEFAULT_TOLERANCES["CPU"].rtol)

@@ -214,3 +214,70 @@ def _key(path):
 
     create_key_pair(path / "k.pem")
     return path / "k.pem"
+
+
+def test_a_report_of_non_finite_outputs_quarantines_with_a_reason_that_says_so(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    nan = report(passed=False, max_abs_error=None, mean_abs_error=None, min_cosine=None)
+    with embedded_farm.session() as session:
+        _, quarantined = verifications.record_verification(session, key(1), blob.sha256, nan)
+    assert quarantined is True
+    assert "max abs error non-finite or missing" in (
+        blob_row(embedded_farm, key(1)).quarantine_reason or ""
+    )
+
+
+@pytest.mark.parametrize(
+    "tolerance",
+    [
+        {"atol": 0.0, "rtol": 0.02, "min_cosine": 0.999},
+        {"atol": 0.01, "rtol": 0.02, "min_cosine": 1.0},
+    ],
+    ids=["atol", "cosine"],
+)
+def test_a_failure_under_a_tolerance_stricter_than_the_default_does_not_quarantine(
+    embedded_farm, tolerance
+):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))  # a CPU blob
+    strict = report(passed=False, tolerance={**tolerance, "atol": min(tolerance["atol"], 1e-5)})
+    with embedded_farm.session() as session:
+        row, quarantined = verifications.record_verification(session, key(1), blob.sha256, strict)
+        assert (row.passed, quarantined) == (False, False)
+    assert blob_row(embedded_farm, key(1)).quarantined_at is None
+
+
+def test_quarantine_on_failure_off_records_without_quarantining(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        _, quarantined = verifications.record_verification(
+            session, key(1), blob.sha256, report(passed=False), quarantine_on_failure=False
+        )
+    assert quarantined is False and blob_row(embedded_farm, key(1)).quarantined_at is None
+
+
+def test_verifications_are_listed_newest_first_a_page_at_a_time(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        ids = [
+            verifications.record_verification(session, key(1), blob.sha256, report())[0].id
+            for _ in range(3)
+        ]
+        first = verifications.verifications_of(session, key(1), limit=2)
+        rest = verifications.verifications_of(session, key(1), limit=2, before_id=first[-1].id)
+        assert [v.id for v in first + rest] == ids[::-1]
+        with pytest.raises(NotFound):
+            verifications.verifications_of(session, key(9))
+
+
+def test_an_admin_deletes_only_a_quarantined_blob(embedded_farm):
+    from farm.server.blobs.rebuild import delete_quarantined
+
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        with pytest.raises(Conflict, match="not quarantined"):
+            delete_quarantined(session, embedded_farm.store, key(1), "root@host")
+        verifications.quarantine(session, key(1), "bad numbers")
+        delete_quarantined(session, embedded_farm.store, key(1), "root@host")
+        deletion = session.scalars(select(BlobDeletion)).one()
+        assert deletion.reason == "deleted by root@host after quarantine: bad numbers"
+    assert not embedded_farm.store.exists(blob_storage_key(key(1)))

@@ -104,6 +104,10 @@ class Backend(Protocol):
 
     def release(self, cache_key: str) -> dict[str, Any]: ...
 
+    def delete_blob(self, cache_key: str) -> None:
+        """Delete a quarantined blob (admin)."""
+        ...
+
     def close(self) -> None: ...
 
 

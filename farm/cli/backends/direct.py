@@ -28,7 +28,7 @@ from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
-from farm.server.blobs.rebuild import retire_quarantined
+from farm.server.blobs.rebuild import delete_quarantined, retire_quarantined
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
@@ -205,15 +205,20 @@ class Direct:
         """Copy the stored reference file to `dest` (the edge agent checks size and digest)."""
         with self._session() as session:
             blob = blobs.require(session, cache_key)
-            if blob.reference_sha256 is None:
+            digest = blob.reference_sha256
+            if digest is None:
                 raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
-        self.farm.store.get_file(reference_storage_key(cache_key), dest)
+        self.farm.store.get_file(reference_storage_key(cache_key, digest), dest)
 
     def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
         fields = dict(report)
         with self._session() as session:
             row, quarantined = verifications.record_verification(
-                session, cache_key, fields.pop("blob_sha256"), fields
+                session,
+                cache_key,
+                fields.pop("blob_sha256"),
+                fields,
+                self.farm.settings.quarantine_on_failure,
             )
             return {"id": row.id, "passed": row.passed, "quarantined": quarantined}
 
@@ -230,6 +235,10 @@ class Direct:
     def release(self, cache_key: str) -> dict[str, Any]:
         with self._session() as session:
             return blob_dict(verifications.release(session, cache_key))
+
+    def delete_blob(self, cache_key: str) -> None:
+        with self._session() as session:
+            delete_quarantined(session, self.farm.store, cache_key, _operator())
 
     # --- operators -----------------------------------------------------------------------------
 

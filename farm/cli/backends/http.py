@@ -96,5 +96,8 @@ class Http:
     def release(self, cache_key: str) -> dict[str, Any]:
         return self.client.release(cache_key)
 
+    def delete_blob(self, cache_key: str) -> None:
+        self.client.delete_blob(cache_key)
+
     def close(self) -> None:
         self.client.close()

@@ -182,6 +182,25 @@ class PullIn(Strict):
 Figure = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+Cosine = Annotated[float, Field(ge=-1, le=1, allow_inf_nan=False)]
+
+
+class ToleranceIn(Strict):
+    atol: Figure
+    rtol: Figure
+    min_cosine: Cosine
+
+
+class OutputFigures(Strict):
+    """One output's comparison; null figures: missing, of another shape, or not finite."""
+
+    name: Annotated[Text, StringConstraints(max_length=256)]
+    max_abs_error: Figure | None = None
+    mean_abs_error: Figure | None = None
+    cosine: Cosine | None = None
+    passed: bool
+
+
 class VerificationIn(Strict):
     """An edge's run of a blob against its reference outputs (`farm verify`)."""
 
@@ -194,9 +213,9 @@ class VerificationIn(Strict):
     passed: bool
     max_abs_error: Figure | None = None
     mean_abs_error: Figure | None = None
-    min_cosine: Annotated[float, Field(ge=-1, le=1, allow_inf_nan=False)] | None = None
-    tolerance: dict[Annotated[str, StringConstraints(max_length=32)], Figure] = Field(max_length=8)
-    outputs: list[dict[str, Any]] = Field(max_length=256)
+    min_cosine: Cosine | None = None
+    tolerance: ToleranceIn
+    outputs: list[OutputFigures] = Field(max_length=4096)
     runs: int = Field(ge=0, le=1_000_000)
     latency_p50_ms: Figure | None = None
     latency_p90_ms: Figure | None = None

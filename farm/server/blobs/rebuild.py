@@ -19,8 +19,9 @@ from farm.core.clock import now
 from farm.core.errors import Conflict
 from farm.core.identity import key_for
 from farm.core.spec import CompileSpec, Toolchain
-from farm.server.blobs.service import resolve
+from farm.server.blobs.service import require, resolve
 from farm.server.db.models import Blob, BlobDeletion, Pull, Verification
+from farm.server.db.session import rows_changed
 from farm.server.storage import BlobStore, reference_storage_key
 
 
@@ -47,14 +48,37 @@ def retire_quarantined(
             )
         blobs.append(blob)
     for blob in blobs:
-        _retire(session, store, blob)
+        _retire(session, store, blob, "rebuilt after quarantine")
     return [blob.cache_key for blob in blobs]
 
 
-def _retire(session: Session, store: BlobStore, blob: Blob) -> None:
+def delete_quarantined(session: Session, store: BlobStore, cache_key: str, by: str) -> None:
+    """An admin's `farm blobs delete KEY`: a quarantined blob only (Conflict otherwise); its
+    history is kept as for a rebuild."""
+    blob = require(session, cache_key)
+    if blob.quarantined_at is None:
+        raise Conflict(
+            f"blob {cache_key} is not quarantined: only a quarantined blob is deleted by hand "
+            "(`farm blobs quarantine KEY --reason ...` first; unused blobs go with `farm gc`)"
+        )
+    _retire(session, store, blob, f"deleted by {by} after quarantine")
+
+
+def _retire(session: Session, store: BlobStore, blob: Blob, why: str) -> None:
+    """Retire one quarantined blob. The conditional UPDATE re-checks the quarantine and holds
+    the row (a concurrent `release` waits, then finds no row) while its objects are deleted."""
+    still_quarantined = rows_changed(
+        session,
+        update(Blob)
+        .where(Blob.id == blob.id, Blob.quarantined_at.is_not(None))
+        .values(quarantine_reason=Blob.quarantine_reason),
+    )
+    if not still_quarantined:
+        session.rollback()
+        raise Conflict(f"blob {blob.cache_key} was released meanwhile; nothing was deleted")
     store.delete(blob.storage_key)
     if blob.reference_sha256 is not None:
-        store.delete(reference_storage_key(blob.cache_key))
+        store.delete(reference_storage_key(blob.cache_key, blob.reference_sha256))
     pulls, last_pulled_at, failed = session.execute(
         select(
             func.count(),
@@ -74,7 +98,7 @@ def _retire(session: Session, store: BlobStore, blob: Blob) -> None:
             pulls=pulls,
             failed_pulls=failed,
             last_pulled_at=last_pulled_at,
-            reason=f"rebuilt after quarantine: {blob.quarantine_reason}",
+            reason=f"{why}: {blob.quarantine_reason}",
             deleted_at=at,
             state="deleted",
             object_deleted_at=at,

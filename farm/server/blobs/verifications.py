@@ -17,8 +17,10 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
-from farm.core.errors import Conflict
-from farm.server.blobs.service import require
+from farm.core.errors import Conflict, NotFound
+from farm.core.reference import default_tolerance
+from farm.core.spec import Target
+from farm.server.blobs.service import require, resolve
 from farm.server.db.models import Blob, Verification
 from farm.server.db.session import rows_changed
 
@@ -45,11 +47,18 @@ REPORT_FIELDS = (
 
 
 def record_verification(
-    session: Session, cache_key: str, blob_sha256: str, report: Mapping[str, Any]
+    session: Session,
+    cache_key: str,
+    blob_sha256: str,
+    report: Mapping[str, Any],
+    quarantine_on_failure: bool = True,
 ) -> tuple[Verification, bool]:
-    """Append an edge's report; a failed one quarantines the blob. Returns the row and whether
-    this report quarantined it. A report about other bytes than the blob recorded now (a blob
-    since rebuilt) is refused: it says nothing about this one."""
+    """Append an edge's report; a failed one quarantines the blob (unless
+    `quarantine_on_failure` is off, FARM_QUARANTINE_ON_FAILURE, or the report applied a
+    tolerance stricter than the target's default: a failure by a rule of the edge's own says
+    nothing the fleet must act on). Returns the row and whether this report quarantined it. A
+    report about other bytes than the blob recorded now (a blob since rebuilt) is refused: it
+    says nothing about this one."""
     blob = require(session, cache_key)
     if blob.sha256 != blob_sha256:
         raise Conflict(
@@ -69,7 +78,7 @@ def record_verification(
     session.add(verification)
     session.flush()
     quarantined = False
-    if not passed:
+    if not passed and quarantine_on_failure and not _stricter(report, blob.target):
         quarantined = _quarantine(session, blob, _failure_reason(verification))
     session.commit()
     return verification, quarantined
@@ -95,15 +104,34 @@ def release(session: Session, cache_key: str) -> Blob:
     return blob
 
 
-def verifications_of(session: Session, cache_key: str, limit: int = 100) -> list[Verification]:
-    """The newest `limit` verifications of the blobs ever stored under `cache_key`."""
+def verifications_of(
+    session: Session, cache_key: str, limit: int = 100, before_id: int | None = None
+) -> list[Verification]:
+    """The newest `limit` verifications of the blobs ever stored under `cache_key` (those with
+    an id below `before_id`: the next page); NotFound for a key that never had a blob."""
     query = (
         select(Verification)
         .where(Verification.cache_key == cache_key)
         .order_by(Verification.id.desc())
         .limit(limit)
     )
-    return list(session.scalars(query))
+    if before_id is not None:
+        query = query.where(Verification.id < before_id)
+    rows = list(session.scalars(query))
+    if not rows and before_id is None and resolve(session, cache_key) is None:
+        raise NotFound(f"no blob and no verification for cache key {cache_key}")
+    return rows
+
+
+def _stricter(report: Mapping[str, Any], target: str) -> bool:
+    """The report's tolerance is stricter than the target's default in some way."""
+    default = default_tolerance(Target.parse(target).device)
+    applied = report.get("tolerance") or {}
+    return (
+        applied.get("atol", default.atol) < default.atol
+        or applied.get("rtol", default.rtol) < default.rtol
+        or applied.get("min_cosine", default.min_cosine) > default.min_cosine
+    )
 
 
 def _quarantine(session: Session, blob: Blob, reason: str) -> bool:
@@ -125,6 +153,11 @@ def _failure_reason(verification: Verification) -> str:
     if verification.error:
         return f"{where} could not run it: {verification.error}"
     return (
-        f"{where} was outside tolerance: max abs error {verification.max_abs_error:.3g}, "
-        f"cosine {verification.min_cosine:.6f}"
+        f"{where} was outside tolerance: max abs error {_figure(verification.max_abs_error)}, "
+        f"cosine {_figure(verification.min_cosine, '.6f')}"
     )
+
+
+def _figure(value: float | None, spec: str = ".3g") -> str:
+    """None: an output that was missing, of another shape, or not finite (NaN, overflow)."""
+    return "non-finite or missing" if value is None else format(value, spec)

@@ -326,6 +326,7 @@ class Verification(Base):
         CheckConstraint("runs >= 0", name="runs_counted"),
         CheckConstraint("error IS NULL OR NOT passed", name="error_fails"),
         Index("ix_verifications_blob_id", "blob_id"),
+        Index("ix_verifications_cache_key_id", "cache_key", "id"),
         Index("ix_verifications_target_device", "target", "device_name"),
         {
             "comment": "One edge's run of a blob against its reference outputs. Inserted per "

@@ -217,7 +217,9 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
     stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
     stored_reference = None
     if reference.path is not None:
-        stored_reference = store.put_file(reference_storage_key(job.cache_key), reference.path)
+        digest = sha256_file(reference.path)
+        key = reference_storage_key(job.cache_key, digest)
+        stored_reference = store.put_file(key, reference.path, expected_sha256=digest)
     release_free_memory()
     return lambda session: _record_blob(
         session,
@@ -251,6 +253,7 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
             inputs_path=inputs,
             timeout_seconds=limits.max_run_seconds,
             memory_bytes=limits.memory_bytes,
+            max_reference_bytes=blob_size_limit(model_row.size_bytes, limits.max_blob_bytes),
             compile_user=limits.compile_user,
             should_stop=lease.should_stop,
         )

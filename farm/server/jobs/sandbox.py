@@ -187,13 +187,15 @@ def reference_in_child(
     inputs_path: Path | None = None,
     timeout_seconds: float,
     memory_bytes: int | None = None,
+    max_reference_bytes: int | None = None,
     compile_user: str | None = None,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> tuple[Path | None, str | None]:
     """Compute the reference outputs of `spec`'s blob in a child process with the compile's
     limits (time, memory, user, environment): ``(out_dir/<cache_key>.npz, None)``, or
     ``(None, why not)``. It never fails the job: a blob without a reference is still a blob.
-    `should_stop` True kills the child (CompileCancelled), as for the compile."""
+    `should_stop` True kills the child (CompileCancelled), as for the compile.
+    `max_reference_bytes` caps what the child writes (RLIMIT_FSIZE), as the blob limit does."""
     identity = compile_identity(compile_user)
     out_dir.mkdir(parents=True, exist_ok=True)
     request = out_dir.parent / f"{cache_key}.reference.json"
@@ -218,6 +220,7 @@ def reference_in_child(
                     "blob_id": cache_key,
                     "inputs": str(inputs) if inputs else None,
                     "memory_bytes": memory_bytes,
+                    "max_blob_bytes": max_reference_bytes,
                     "run_as": identity,
                 }
             )
@@ -229,13 +232,14 @@ def reference_in_child(
             return None, f"no reference outputs: the CPU run took over {timeout_seconds:.0f} s"
         result = _read_result(result_path)
         if result is None:
-            death = _death(returncode, _tail(log_path), memory_bytes, None)
+            death = _death(returncode, _tail(log_path), memory_bytes, max_reference_bytes)
             return None, f"no reference outputs: {death}"
         if "skipped" in result:
             return None, str(result["skipped"])
-        made = out_dir / f"{cache_key}.npz"
-        shutil.copyfile(box / f"{cache_key}.npz", made)
-        return made, None
+        try:  # the same checks as for a blob: the box is the compile user's (a link, a FIFO)
+            return _take_blob(box / f"{cache_key}.npz", out_dir / f"{cache_key}.npz"), None
+        except (errors.CompileError, OSError) as error:
+            return None, f"no reference outputs: {error}"
     finally:
         shutil.rmtree(box, ignore_errors=True)
 

@@ -29,9 +29,12 @@ def blob_storage_key(cache_key: str) -> str:
     return f"blobs/{cache_key}.blob"
 
 
-def reference_storage_key(cache_key: str) -> str:
-    """The blob's reference outputs (`farm.core.reference`): inputs and CPU f32 outputs."""
-    return f"references/{cache_key}.npz"
+def reference_storage_key(cache_key: str, sha256: str) -> str:
+    """The blob's reference outputs (`farm.core.reference`): inputs and CPU f32 outputs, under
+    their own digest. Two compiles of one key may make references that differ in their last
+    bits (another CPU, other inputs); the store is write-once, so a leftover of an earlier one
+    must never block the next."""
+    return f"references/{cache_key}/{sha256}.npz"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from farm.server.api.deps import (
 )
 from farm.server.api.schemas import BlobOut, PullIn, QuarantineIn, Sha256, Text, VerificationIn
 from farm.server.blobs import service, verifications
+from farm.server.blobs.rebuild import delete_quarantined
 from farm.server.pagination import MAX_PAGE
 from farm.server.storage import LocalPaths, Presigning, reference_storage_key
 from farm.server.views import blob_dict, verification_dict
@@ -77,7 +78,7 @@ def download_reference(
         blob = service.require(session, cache_key)
     if blob.reference_sha256 is None:
         raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
-    key = reference_storage_key(cache_key)
+    key = reference_storage_key(cache_key, blob.reference_sha256)
     return _object(farm, key, f"{cache_key}.npz", blob.reference_sha256)
 
 
@@ -112,7 +113,11 @@ def report_verification(
     report = body.model_dump()
     with farm.session() as session:
         verification, quarantined = verifications.record_verification(
-            session, cache_key, report.pop("blob_sha256"), report
+            session,
+            cache_key,
+            report.pop("blob_sha256"),
+            report,
+            farm.settings.quarantine_on_failure,
         )
         return {"id": verification.id, "passed": verification.passed, "quarantined": quarantined}
 
@@ -123,12 +128,13 @@ def list_verifications(
     farm: Farm,
     _: SubmitCaller,
     limit: int = Query(100, ge=1, le=MAX_PAGE),
+    before: int | None = Query(None, ge=1, description="Only those with an id below this."),
 ) -> list[dict[str, Any]]:
-    """The newest verifications of the blobs stored under `cache_key` (rebuilt ones too)."""
+    """The newest verifications of the blobs stored under `cache_key` (rebuilt ones too), a
+    page at a time: the next page is `before=<the last id>`. 404 for a key never stored."""
     with farm.session() as session:
-        return [
-            verification_dict(v) for v in verifications.verifications_of(session, cache_key, limit)
-        ]
+        rows = verifications.verifications_of(session, cache_key, limit, before)
+        return [verification_dict(v) for v in rows]
 
 
 @router.post("/v1/blobs/{cache_key}/quarantine", responses={404: {}})
@@ -137,6 +143,14 @@ def quarantine(cache_key: Sha256, body: QuarantineIn, farm: Farm, caller: AdminC
     with farm.session() as session:
         blob = verifications.quarantine(session, cache_key, f"{body.reason} (by {caller.name})")
         return BlobOut(**blob_dict(blob))
+
+
+@router.delete("/v1/blobs/{cache_key}", status_code=204, responses={404: {}, 409: {}})
+def delete_blob(cache_key: Sha256, farm: Farm, caller: AdminCaller) -> None:
+    """Delete a quarantined blob (admin; 409 for one that is not quarantined): objects gone,
+    its row in blob_deletions, its verifications kept."""
+    with farm.session() as session:
+        delete_quarantined(session, farm.store, cache_key, caller.name)
 
 
 @router.post("/v1/blobs/{cache_key}/release", responses={404: {}})
