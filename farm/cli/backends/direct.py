@@ -16,12 +16,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from farm import toolchain
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.checks import Check
 from farm.core.config import Settings
 from farm.core.errors import KeyFileError, NotFound
 from farm.core.identity import ModelRef
+from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
@@ -86,6 +86,7 @@ class Direct:
                     "target": spec.target.name,
                     "outcome": outcome.outcome,
                     "job": self.job(outcome.job_id) if outcome.job_id else None,
+                    "reason": outcome.reason,
                 }
                 for spec, outcome in submitted.results
             ],
@@ -142,6 +143,10 @@ class Direct:
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
             return blob_dict(blob) if blob else None
+
+    def cache_keys(self, prefix: str) -> list[str]:
+        with self._session() as session:
+            return blobs.cache_keys_starting_with(session, prefix, CANDIDATES_SHOWN + 1)
 
     def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -255,13 +260,9 @@ def upgrade_schema(settings: Settings) -> str | None:
         return upgrade_database(url)
 
 
-def host_checks(settings: Settings) -> list[Check]:
-    """`farm doctor`: OpenVINO and its targets, the signing key, and each service."""
-    return [
-        *toolchain.openvino_checks(),
-        doctor.signing_check(settings),
-        *doctor.service_checks(settings),
-    ]
+def farm_checks(settings: Settings) -> list[Check]:
+    """`farm doctor` on the farm itself: the signing key, and each service."""
+    return [doctor.signing_check(settings), *doctor.service_checks(settings)]
 
 
 def run_worker(settings: Settings, **options: Any) -> None:

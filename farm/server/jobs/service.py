@@ -23,7 +23,7 @@ from farm import toolchain as host
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import CompilerUnavailable, Forbidden, ModelMissing, NotFound
+from farm.core.errors import Forbidden, ModelMissing, NotFound
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
@@ -41,6 +41,8 @@ class Submission:
     outcome: Outcome
     cache_key: str
     job_id: int | None = None
+    reason: str | None = None
+    """Why an `unavailable` spec was not submitted."""
 
 
 def submit(
@@ -155,17 +157,19 @@ def submit_matrix(
     created, at most once: a hit asks the store nothing. `upload_from`: the model's files on
     this host, uploaded when the store lacks them (the direct CLI); without it a new job whose
     files the store lacks raises ModelMissing (the API answers 409 and the client uploads).
-    `refuse_uncompilable`: the embedded CLI compiles on this host, so a new job for a target
-    this host cannot compile is refused (CompilerUnavailable) before anything is stored; the
-    embedded API records such a job, which then fails with the same reason.
+    `refuse_uncompilable`: an embedded farm (its CLI and its API) compiles on this host only,
+    so a spec that would need a new job for a target (or toolchain) this host cannot compile is
+    answered `unavailable` with the reason, and no job is recorded for it; the other specs of
+    the matrix go on (a hit stays a hit: nothing needs compiling).
     """
     submission_id = uuid.uuid4().hex
     known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
     if refuse_uncompilable:
-        for spec, outcome in zip(specs, known, strict=True):
+        for index, (spec, outcome) in enumerate(zip(specs, known, strict=True)):
             reason = _cannot_compile_here(spec.target, toolchain) if outcome is None else None
             if reason:
-                raise CompilerUnavailable(reason)
+                key = key_for(identity, spec, toolchain)
+                known[index] = Submission("unavailable", key, reason=reason)
     results: list[tuple[CompileSpec, Submission]] = []
     to_send: list[tuple[int, str]] = []
     model: ModelInfo | None = None

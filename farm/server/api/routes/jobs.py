@@ -65,6 +65,7 @@ def submit(
                 identity, body.model_name, _stored_size(farm.store, identity)
             ),
             submitter=caller.name,
+            refuse_uncompilable=not farm.settings.served,
         )
         return SubmissionResponse(
             submission_id=submitted.submission_id,
@@ -76,6 +77,7 @@ def submit(
                     job=_job_out(farm, session, service.get_job(session, outcome.job_id))
                     if outcome.job_id
                     else None,
+                    reason=outcome.reason,
                 )
                 for spec, outcome in submitted.results
             ],
