@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 from sqlalchemy import select
 
+from farm import toolchain
 from farm.core.clock import now
 from farm.core.errors import ModelMissing
 from farm.core.identity import ModelInfo, ModelRef, key_for
@@ -417,8 +418,8 @@ def fake_probe(target: Target) -> str | None:
 def test_a_matrix_compiles_what_this_host_can_and_says_why_not_the_rest(
     embedded_farm, stub, ref, monkeypatch
 ):
-    monkeypatch.setattr(service.host, "unavailable_reason", fake_probe)
-    monkeypatch.setattr(service.host, "host_toolchain", lambda target: TOOLCHAIN)
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)
     submitted = submit(embedded_farm, stub, ref, [CPU, NPU], refuse_uncompilable=True)
     (_, cpu), (_, npu) = submitted.results
     assert cpu.outcome == "queued" and stub.sent == [(cpu.job_id, "embedded")]

@@ -19,7 +19,6 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from farm import toolchain as host
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
@@ -207,6 +206,8 @@ def submit_matrix(
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:
     """Why this host cannot make the blob a submission for `toolchain` asks for, or None."""
+    from farm import toolchain as host  # OpenVINO: only to submit, never to list or show
+
     reason = host.unavailable_reason(target)
     if reason:
         return reason
