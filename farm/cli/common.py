@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -146,17 +146,36 @@ EXTRA_OF_MODULE = {
 """The install extra that brings each optional library (pyproject.toml)."""
 
 
-def not_installed(error: ModuleNotFoundError, what: str) -> NotInstalled | None:
+def not_installed(
+    error: ModuleNotFoundError, what: str, *, over_http: bool = False
+) -> NotInstalled | None:
     """The `NotInstalled` error for a library of an install extra this install lacks (None for
-    any other missing module: a bug, which keeps its traceback)."""
+    any other missing module: a bug, which keeps its traceback). `over_http`: the command also
+    works through the farm's API, which needs none of it."""
     top = (error.name or "").split(".")[0]
     extra = EXTRA_OF_MODULE.get(top)
     if extra is None:
         return None
-    return NotInstalled(
-        f"{what} needs {top}, which this install lacks: pip install 'farm[{extra}]'"
-        + (" (or set FARM_API_URL to work through the farm's API)" if extra == "embedded" else "")
-    )
+    if extra == "embedded":
+        wanted = "pip install 'farm[server]' (or 'farm[embedded]' for a one-machine farm)"
+    else:
+        wanted = f"pip install 'farm[{extra}]'"
+    message = f"{what} needs {top}, which this install lacks: {wanted}"
+    if over_http:
+        message += ", or set FARM_API_URL (and FARM_TOKEN) to work through the farm's API"
+    return NotInstalled(message)
+
+
+@contextlib.contextmanager
+def installed(command: str) -> Iterator[None]:
+    """Imports in this block that fail for want of an install extra are `NotInstalled`."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        missing = not_installed(error, f"`farm {command}`")
+        if missing is None:
+            raise
+        raise missing from error
 
 
 def backend() -> Backend:
@@ -164,7 +183,8 @@ def backend() -> Backend:
     try:
         return open_backend(get_settings())
     except ModuleNotFoundError as error:
-        missing = not_installed(error, f"`farm {_command_name()}` without FARM_API_URL")
+        what = f"`farm {_command_name()}` without FARM_API_URL"
+        missing = not_installed(error, what, over_http=True)
         if missing is None:
             raise
         raise missing from error
@@ -176,13 +196,8 @@ def direct(command: str):
     FARM_API_URL without FARM_DATABASE_URL would otherwise open (and create) an embedded farm
     under ./.farm and report on that instead of the farm the user meant."""
     settings = direct_settings(command)
-    try:
+    with installed(command):
         from farm.cli.backends.direct import Direct  # farm[embedded]: operator commands only
-    except ModuleNotFoundError as error:
-        missing = not_installed(error, f"`farm {command}`")
-        if missing is None:
-            raise
-        raise missing from error
     return Direct.open(settings)
 
 

@@ -126,4 +126,5 @@ def keys_resign(accept_unverified: bool, as_json: bool) -> None:
         raise FarmCliError(
             f"{len(report.failures)} blob(s) not re-signed (each named with its reason above)",
             EXIT_CODES[kind],
+            "resign_failed",
         )

@@ -17,6 +17,7 @@ from farm.cli.common import (
     emit,
     err,
     handle_errors,
+    installed,
     json_option,
     not_installed,
     out,
@@ -45,7 +46,8 @@ from farm.core.text import mask_url
 def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> None:
     """Run a compile worker: probe the targets this host compiles and serve their queues."""
     settings = direct_settings("worker")
-    from farm.cli.backends.direct import run_worker  # farm[embedded]
+    with installed("worker"):
+        from farm.cli.backends.direct import run_worker  # farm[embedded]
 
     if not settings.served:
         raise click.UsageError(
@@ -236,7 +238,8 @@ def db() -> None:
 def db_upgrade(as_json: bool) -> None:
     """Bring the database schema to the latest migration."""
     settings = direct_settings("db upgrade")
-    from farm.cli.backends.direct import upgrade_schema  # farm[embedded]
+    with installed("db upgrade"):
+        from farm.cli.backends.direct import upgrade_schema  # farm[embedded]
 
     revision = upgrade_schema(settings)
     shown = mask_url(settings.resolved_database_url)
@@ -255,7 +258,8 @@ def db_upgrade(as_json: bool) -> None:
 def api(host: str, port: int, processes: int) -> None:
     """Serve the HTTP API (uvicorn)."""
     settings = direct_settings("api")
-    from farm.cli.backends.direct import serve_api  # farm[embedded]
+    with installed("api"):
+        from farm.cli.backends.direct import serve_api  # farm[embedded]
 
     serve_api(host, port, processes, settings)
 

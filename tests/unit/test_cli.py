@@ -186,3 +186,17 @@ def test_piped_output_is_never_wrapped(farm):
     blob = next(line for line in text.splitlines() if line.startswith("blob "))
     assert len(blob) > 100 and len(blob.split()[-1]) == 64  # the sha256, whole, on its line
     assert all(len(line.rstrip()) == len(line) for line in text.splitlines())  # no padding
+
+
+# --- the exit-code table ------------------------------------------------------------------------
+
+
+def test_every_kind_has_an_exit_code_the_readme_documents_and_an_http_status():
+    from farm.server.api.errors import HTTP_STATUS
+
+    assert set(EXIT_CODES) == set(Kind) == set(HTTP_STATUS)
+    assert EXIT_CODES[Kind.UNTRUSTED] == 8  # a signature refusal is not "infrastructure"
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
+    documented = {int(line.split("|")[1]) for line in table.splitlines()[2:]}
+    assert documented == {0, 1, *EXIT_CODES.values()}

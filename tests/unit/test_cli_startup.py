@@ -41,7 +41,7 @@ def test_an_embedded_read_only_command_loads_no_heavy_library(embedded_farm, arg
     probe = (
         "import sys, json\n"
         "from farm.cli import main\n"
-        f"main({args + ['--json']!r}, standalone_mode=False)\n"
+        f"main({[*args, '--json']!r}, standalone_mode=False)\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
