@@ -96,7 +96,7 @@ def test_keys_rotate_and_farm_keys_creates_and_shows_them(edge_farm, tmp_path): 
     assert ok_json(both, "pull", edge_farm.key)["downloaded"] is True
     assert ok_json(both, "pull", new_blob["cache_key"])["downloaded"] is True
     only_old = {**edge_farm.edge_env(), "FARM_CACHE_DIR": str(tmp_path / "other-cache")}
-    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 5
+    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 8  # untrusted
 
     shown = ok_json({**rotated, "FARM_TRUSTED_KEYS": f"{new_key}.pub"}, "keys", "show")
     assert shown["signing_key"]["key_id"] == created["key_id"]
