@@ -41,10 +41,6 @@ COMPILER_PARAMS: dict[str, frozenset[str]] = {
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT")
 
 
-INT32_MAX = 2**31 - 1
-"""The largest integer property value OpenVINO reads (a C++ `int`)."""
-
-
 @dataclass(frozen=True)
 class _Property:
     """One allowlisted OpenVINO property: its allowed values, or a check for integers."""
@@ -67,9 +63,6 @@ class _Property:
             raise SpecError(f"{key}={raw!r} must be an integer") from None
         if self.integer_min is not None and number < self.integer_min:
             raise SpecError(f"{key}={raw!r} must be at least {self.integer_min}")
-        if number > INT32_MAX:
-            # OpenVINO reads these with std::stoi: the compile would fail, late, on a worker.
-            raise SpecError(f"{key}={raw!r} must be at most {INT32_MAX}")
         return str(number)
 
 

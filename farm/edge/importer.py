@@ -6,6 +6,7 @@ Imports openvino and numpy only (the edge install has no compiler, database or b
 from __future__ import annotations
 
 import mmap
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -149,10 +150,12 @@ def import_failure(path: Path, target: Target, weights: Path | None, error: Exce
     said = last_line(error)
     text = str(error)
     if weights is None and any(sign in text for sign in WEIGHTLESS_SIGNS):
+        # The farm's cache and --into-cache-dir name a blob after its cache key.
+        key = path.stem if re.fullmatch("[0-9a-f]{64}", path.stem) else "CACHE_KEY"
         return BlobFormatError(
             f"{path} is a weightless blob (compiled with --weightless): import it with "
             f"--weights MODEL.bin, the weights file of the very model it was compiled from (its "
-            f"sha256 is the model's `bin` digest, in `farm status CACHE_KEY --json`). "
+            f"sha256 is the model's `bin` digest, in `farm status {key} --json`). "
             f"OpenVINO said: {said}"
         )
     if any(sign in text for sign in OTHER_DEVICE_SIGNS):

@@ -289,6 +289,10 @@ def test_run_says_what_a_blob_needs_to_import(farm_home, conv_xml, tmp_path):
     assert "--weights MODEL.bin" in bare.stderr and bare.stderr.count("\n") == 1
     weights = str(conv_xml.with_suffix(".bin"))
     assert farm_json(farm_home, "run", str(blob), "-d", "CPU", "--weights", weights)["outputs"]
+    key = weightless["cache_key"]
+    pulled = farm(farm_home, "pull", key, "--import", check=False)
+    assert pulled.returncode == 2
+    assert f"blob {key} is weightless: import it with --weights MODEL.bin" in pulled.stderr
 
     # A CPU blob on an NPU: this host cannot import it (README: exit 4), not bad input.
     on_npu = farm(farm_home, "run", str(blob), "--device", "4000", "--json", check=False)

@@ -103,11 +103,6 @@ ARG_CASES: dict[str, tuple[list[str], int, str]] = {
         2,
         "cannot set batch 2",
     ),
-    "config-integer-past-int32": (
-        ["--config", "NUM_STREAMS=99999999999"],
-        2,
-        "NUM_STREAMS='99999999999' must be at most 2147483647",
-    ),
     "matrix-over-limit": (
         ["--batch", ",".join(str(b) for b in range(1, 66)), "--layout", "NCHW"],
         2,
