@@ -70,6 +70,32 @@ class FarmClient:
         _raise_for_error(response)
         return response
 
+    def readiness(self) -> tuple[int, dict]:
+        """`/readyz`: its HTTP status (200 ready, 503 not) and its body (`{"ready", "checks"}`);
+        ApiError only when the API cannot be reached or answers something else."""
+        try:
+            response = self.http.get("/readyz")
+        except httpx.TransportError as error:
+            raise ApiError(
+                0,
+                "unreachable",
+                f"cannot reach the farm API at {self.http.base_url} (FARM_API_URL): {error}",
+            ) from error
+        if response.status_code not in (200, 503):
+            _raise_for_error(response)
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            raise ApiError(
+                response.status_code,
+                "http_error",
+                f"{self.http.base_url}/readyz answered something that is not the farm API's JSON",
+            ) from None
+
+    def cache_keys(self, prefix: str) -> list[str]:
+        """The cache keys (of blobs and jobs) that start with `prefix`, a few at most."""
+        return self._call("GET", "/v1/cache-keys", params={"prefix": prefix})["cache_keys"]
+
     # --- models and submissions ---------------------------------------------------------------
 
     def missing(self, digests: list[str]) -> list[str]:

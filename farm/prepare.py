@@ -94,7 +94,14 @@ def apply_shapes(model: ov.Model, spec: CompileSpec) -> None:
             raise ModelError(f"cannot reshape the model: {last_line(error)}") from error
     if spec.batch is not None:
         for name, text in spec.layout.items():
-            ov.layout_helpers.set_layout(_input_port(model, name, "--layout"), ov.Layout(text))
+            port = _input_port(model, name, "--layout")
+            try:
+                ov.layout_helpers.set_layout(port, ov.Layout(text))
+            except Exception as error:  # RuntimeError: the layout does not fit the input
+                raise ModelError(
+                    f"--layout {text} does not fit input {port.get_any_name()}"
+                    f"{port.get_partial_shape()}: {last_line(error)}"
+                ) from error
         if not any(
             ov.layout_helpers.has_batch(ov.layout_helpers.get_layout(port)) for port in model.inputs
         ):

@@ -4,7 +4,10 @@ What the CLI prints for people passes through `farm.core.text.printable`: a mode
 compiler's message or a worker's name reaches the terminal with its control characters shown
 (``\x1b``), never obeyed (no title change, no OSC 52 clipboard write, no screen clear), and
 is printed without Rich markup. ``--json`` prints the raw text as JSON, which escapes control
-characters itself.
+characters itself, and makes an error one JSON object on stderr (`FarmCliError.show`).
+
+Output that does not go to a terminal is never wrapped (`UnwrappedWhenPiped`): a script or a
+`grep` gets each cache key, path and message on one line, whatever the terminal's width.
 """
 
 from __future__ import annotations
@@ -12,17 +15,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.text import Text
 
 from farm.cli.backends import Backend, open_backend
-from farm.core.config import get_settings
-from farm.core.errors import FarmError, Kind
+from farm.core import keyprefix
+from farm.core.config import Settings, get_settings
+from farm.core.errors import FarmError, Kind, NeedsDatabase, NotInstalled
 from farm.core.text import printable, redact, size_text
 
 EXIT_OK = 0
@@ -33,23 +37,53 @@ EXIT_COMPILER_UNAVAILABLE = 4
 EXIT_INFRASTRUCTURE = 5
 EXIT_UNAUTHORIZED = 6
 EXIT_GAVE_UP = 7
+EXIT_UNTRUSTED = 8
 EXIT_REJECTED = 9
 """The blob does not compute its reference numbers (farm verify), or is quarantined."""
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+UNWRAPPED_WIDTH = 1 << 16
+"""The width Rich lays out for when the output is not a terminal: wide enough that nothing
+(a 64-hex key, a long path, a compiler's message) is ever folded."""
+
+
+class UnwrappedWhenPiped(Console):
+    """A Rich console that wraps at the terminal's width on a terminal, and never when its
+    output is a pipe or a file (Rich would otherwise wrap at 80 columns)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self.is_terminal:
+            return super().size
+        return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+out = UnwrappedWhenPiped(highlight=False)
+err = UnwrappedWhenPiped(stderr=True, highlight=False)
+
+json_errors = False
+"""Set by the `farm` group when its command line has `--json`: errors are then JSON too."""
 
 
 class FarmCliError(click.ClickException):
-    """One line on stderr and an exit code from the table above."""
+    """One line on stderr and an exit code from the table above; with `--json`, one JSON object
+    instead: ``{"code", "message", "exit"}`` (`code` is the farm error's stable code)."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, code: str = "error") -> None:
         super().__init__(message)
         self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
+        self.code = code
 
     def show(self, file: Any = None) -> None:
-        message = printable(redact(self.message, _secrets()))
-        click.echo(f"farm: error: {message}", err=True)
+        message = redact(self.message, _secrets())
+        if json_errors:
+            error = {"code": self.code, "message": message, "exit": self.exit_code}
+            click.echo(json.dumps(error), err=True)
+        else:
+            click.echo(f"farm: error: {printable(message)}", err=True)
 
 
 def _secrets() -> list[str]:
@@ -67,6 +101,7 @@ EXIT_CODES: dict[Kind, int] = {
     Kind.NOT_FOUND: EXIT_NOT_FOUND,
     Kind.CANNOT_RUN_HERE: EXIT_COMPILER_UNAVAILABLE,
     Kind.INTEGRITY: EXIT_INFRASTRUCTURE,
+    Kind.UNTRUSTED: EXIT_UNTRUSTED,
     Kind.INFRASTRUCTURE: EXIT_INFRASTRUCTURE,
     Kind.UNAUTHORIZED: EXIT_UNAUTHORIZED,
     Kind.FORBIDDEN: EXIT_UNAUTHORIZED,
@@ -86,14 +121,104 @@ def handle_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except FarmError as error:
-            raise FarmCliError(str(error), EXIT_CODES[error.kind]) from error
+            raise cli_error(error) from error
 
     return wrapper
 
 
+def cli_error(error: FarmError) -> FarmCliError:
+    return FarmCliError(str(error), EXIT_CODES[error.kind], error.code)
+
+
+EXTRA_OF_MODULE = {
+    "sqlalchemy": "embedded",
+    "alembic": "embedded",
+    "openvino": "edge",
+    "numpy": "edge",
+    "celery": "server",
+    "kombu": "server",
+    "redis": "server",
+    "boto3": "server",
+    "botocore": "server",
+    "fastapi": "server",
+    "starlette": "server",
+    "uvicorn": "server",
+    "psycopg": "server",
+    "prometheus_client": "server",
+}
+"""The install extra that brings each optional library (pyproject.toml)."""
+
+
+def not_installed(
+    error: ModuleNotFoundError, what: str, *, over_http: bool = False
+) -> NotInstalled | None:
+    """The `NotInstalled` error for a library of an install extra this install lacks (None for
+    any other missing module: a bug, which keeps its traceback). `over_http`: the command also
+    works through the farm's API, which needs none of it."""
+    top = (error.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    if extra == "embedded":
+        wanted = "pip install 'farm[server]' (or 'farm[embedded]' for a one-machine farm)"
+    else:
+        wanted = f"pip install 'farm[{extra}]'"
+    message = f"{what} needs {top}, which this install lacks: {wanted}"
+    if over_http:
+        message += ", or set FARM_API_URL (and FARM_TOKEN) to work through the farm's API"
+    return NotInstalled(message)
+
+
+@contextlib.contextmanager
+def installed(command: str) -> Iterator[None]:
+    """Imports in this block that fail for want of an install extra are `NotInstalled`."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        missing = not_installed(error, f"`farm {command}`")
+        if missing is None:
+            raise
+        raise missing from error
+
+
 def backend() -> Backend:
     """The HTTP API when FARM_API_URL is set, else the database and store directly."""
-    return open_backend(get_settings())
+    try:
+        return open_backend(get_settings())
+    except ModuleNotFoundError as error:
+        what = f"`farm {_command_name()}` without FARM_API_URL"
+        missing = not_installed(error, what, over_http=True)
+        if missing is None:
+            raise
+        raise missing from error
+
+
+def direct(command: str):
+    """The farm's database and store themselves, for a command that has no API equivalent
+    (tokens, gc, reconcile, schema, re-signing). Refused where only the API is configured:
+    FARM_API_URL without FARM_DATABASE_URL would otherwise open (and create) an embedded farm
+    under ./.farm and report on that instead of the farm the user meant."""
+    settings = direct_settings(command)
+    with installed(command):
+        from farm.cli.backends.direct import Direct  # farm[embedded]: operator commands only
+    return Direct.open(settings)
+
+
+def direct_settings(command: str) -> Settings:
+    """The settings, unless they name only the API (see `direct`): then `NeedsDatabase`."""
+    settings = get_settings()
+    if settings.api_url and not settings.database_url:
+        raise NeedsDatabase(
+            f"`farm {command}` works on the farm's database directly, which the API does not "
+            "expose: run it where FARM_DATABASE_URL (and FARM_STORAGE_URL) reach the farm's "
+            "database and store, or unset FARM_API_URL to act on the embedded farm"
+        )
+    return settings
+
+
+def _command_name() -> str:
+    context = click.get_current_context(silent=True)
+    return context.command_path.partition(" ")[2] if context else "this command"
 
 
 def spec_options(device_required: bool) -> Callable[[Callable], Callable]:
@@ -144,13 +269,10 @@ def emit(data: dict[str, Any] | list, as_json: bool, human: Callable[[], None]) 
         human()
 
 
-def check_key(text: str) -> str:
-    key = text.strip().lower()
-    if len(key) != 64 or any(ch not in "0123456789abcdef" for ch in key):
-        raise FarmCliError(
-            f"{text!r} is neither a job number nor a 64-hex cache key", EXIT_BAD_INPUT
-        )
-    return key
+def resolve_key(farm: Backend, text: str) -> str:
+    """The cache key `text` names: a whole key, or a unique prefix of at least 8 hex characters
+    (`farm.core.keyprefix`), looked up through `farm`."""
+    return keyprefix.resolve(text, farm.cache_keys)
 
 
 def say(text: str, console: Console = out, **options: Any) -> None:

@@ -13,41 +13,42 @@ from typing import Any
 import click
 
 from farm.cli import main
+from farm.cli.backends import Backend
 from farm.cli.common import (
-    EXIT_BAD_INPUT,
     EXIT_NOT_FOUND,
-    FarmCliError,
     backend,
-    check_key,
     emit,
     err,
     handle_errors,
     json_option,
     out,
     progress_bar,
+    resolve_key,
     say,
     size_text,
     spec_options,
 )
 from farm.cli.jobs import specs_from_options
+from farm.core import keyprefix
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.identity import ModelRef, key_for
 from farm.core.spec import SpecError, Target
 
 
-def edge_agent():
+def edge_agent(source: Backend | None = None):
     """The agent over the API (FARM_API_URL) or, without it, over the embedded farm."""
     from farm.edge import agent_from_settings  # OpenVINO loads with the edge: only when used
 
-    return agent_from_settings(get_settings(), backend())
+    return agent_from_settings(get_settings(), source or backend())
 
 
-def key_of(key_or_model: str, options: dict[str, Any]) -> tuple[str, Path | None]:
-    """A cache key given as such, or the key this machine computes for MODEL + spec flags;
-    with the model's `.bin` (the weights a weightless blob imports with)."""
+def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[str, Path | None]:
+    """A cache key (or a unique prefix of one) given as such, or the key this machine computes
+    for MODEL + spec flags; with the model's `.bin` (the weights a weightless blob imports
+    with)."""
     if options["device"] is None:
-        return check_key(key_or_model), None
+        return resolve_key(farm, key_or_model), None
     from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
 
     specs = specs_from_options(options)
@@ -111,8 +112,11 @@ def pull(
 ) -> None:
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
     compatibility checked first, download resumed and sha256-verified, kept in the cache."""
-    key, model_bin = key_of(key_or_model, options)
-    agent = edge_agent()
+    if options["device"] is None:
+        keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
+    farm = backend()
+    key, model_bin = key_of(key_or_model, options, farm)
+    agent = edge_agent(farm)
     agent.allow_quarantined = allow_quarantined
     blob = agent.resolve(key)
     with progress_bar(f"downloading {key[:12]}", blob["size_bytes"], quiet or as_json) as advance:
@@ -180,17 +184,13 @@ def run(blob: Path, device: str, weights: Path | None, as_json: bool) -> None:
     """Import BLOB (a plain exported blob or an OpenVINO cache entry) with OpenVINO and run one
     inference on random input."""
     from farm.edge import import_blob, infer_once  # OpenVINO: only when used
-    from farm.toolchain import last_line
+    from farm.edge.importer import import_failure
 
     target = Target.parse(device)
     try:
         imported = import_blob(blob, target.device, weights)
     except RuntimeError as error:
-        raise FarmCliError(
-            f"OpenVINO cannot import {blob} (neither an exported blob nor an OpenVINO cache "
-            f"entry it can read): {last_line(error)}",
-            EXIT_BAD_INPUT,
-        ) from error
+        raise import_failure(blob, target, weights, error) from error
     result = infer_once(imported)
     data = {
         "blob": str(blob),

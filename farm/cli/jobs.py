@@ -23,10 +23,10 @@ from rich.text import Text
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
 from farm.cli.common import (
+    EXIT_CODES,
     EXIT_JOB_FAILED,
     backend,
     cell,
-    check_key,
     emit,
     err,
     handle_errors,
@@ -35,16 +35,16 @@ from farm.cli.common import (
     print_blob,
     print_job,
     progress_bar,
+    resolve_key,
     say,
     size_text,
     spec_options,
 )
-from farm.core import hashing
+from farm.core import hashing, keyprefix
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
-from farm.core.errors import NotFound, WaitTimeout
+from farm.core.errors import CompilerUnavailable, NotFound, WaitTimeout
 from farm.core.identity import ModelRef
-from farm.core.reference import load_inputs
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import printable, toolchains_text
 from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
@@ -159,18 +159,36 @@ def submit(
     farm = backend()
     progress = _SubmitProgress(model.name, quiet or as_json)
     if reference_inputs is not None:
+        from farm.core.reference import load_inputs  # numpy: only for --inputs
+
         load_inputs(reference_inputs)  # a bad file is exit 2 here, not a note on the blob later
     answer = farm.submit(
         ref, specs, wanted, progress, rebuild=rebuild, reference_inputs=reference_inputs
     )
+    results = answer["results"]
+    for result in results:
+        if result.get("reason") is None:
+            result.pop("reason", None)
+    if len(results) == 1 and results[0]["outcome"] == "unavailable":
+        raise CompilerUnavailable(results[0]["reason"])
     if wait:
-        for result in answer["results"]:
+        for result in results:
             if result["job"] and result["job"]["state"] not in FINAL_STATES:
                 result["job"] = _wait(farm, result["job"]["id"], quiet or as_json, wait_timeout)
     _print_submission(answer, as_json)
-    states = [r["job"]["state"] for r in answer["results"] if r["job"]]
-    if any(state in (JobState.FAILED, JobState.CANCELLED) for state in states):
-        sys.exit(EXIT_JOB_FAILED)
+    worst = max(map(_exit_code_of, results))
+    if worst:
+        sys.exit(worst)
+
+
+def _exit_code_of(result: dict[str, Any]) -> int:
+    """A spec's share of `farm submit`'s exit code; the command exits with the worst."""
+    if result["outcome"] == "unavailable":
+        return EXIT_CODES[CompilerUnavailable.kind]
+    job = result["job"]
+    if job and job["state"] in (JobState.FAILED, JobState.CANCELLED):
+        return EXIT_JOB_FAILED
+    return 0
 
 
 class _SubmitProgress:
@@ -236,7 +254,9 @@ def _print_submission(answer: dict, as_json: bool) -> None:
     def human() -> None:
         for result in results:
             say(f"cache key  {result['cache_key']}  ({result['target']})")
-            if result["job"] is None:
+            if result["outcome"] == "unavailable":
+                say(f"outcome    unavailable (no job): {result['reason']}")
+            elif result["job"] is None:
                 say("outcome    hit (the blob exists; nothing compiled)")
             else:
                 print_job(result["job"])
@@ -249,13 +269,22 @@ def _print_submission(answer: dict, as_json: bool) -> None:
 @json_option
 @handle_errors
 def status(job_or_key: str, as_json: bool) -> None:
-    """Show a job (by number) or a cache key (its blob, or its latest job)."""
+    """Show a job (by number) or a cache key (its blob, or its latest job); a unique prefix of
+    the key (8 hex characters or more) will do."""
+    if not job_or_key.isdigit():
+        keyprefix.normalize(job_or_key)  # a bad key fails before any farm is opened
     farm = backend()
     if job_or_key.isdigit():
-        job = farm.job(int(job_or_key))
-        emit(job, as_json, functools.partial(print_job, job))
-        return
-    key = check_key(job_or_key)
+        try:
+            job = farm.job(int(job_or_key))
+        except NotFound:
+            # Eight digits or more may also be a key prefix (git's rule): try that too.
+            if len(job_or_key) < keyprefix.MIN_PREFIX:
+                raise
+        else:
+            emit(job, as_json, functools.partial(print_job, job))
+            return
+    key = resolve_key(farm, job_or_key)
     blob, latest = farm.resolve(key), farm.latest_job(key)
     if blob is None and latest is None:
         raise NotFound(f"no blob and no job for cache key {key}")

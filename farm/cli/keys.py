@@ -10,6 +10,7 @@ from farm.cli import main
 from farm.cli.common import (
     EXIT_CODES,
     FarmCliError,
+    direct,
     emit,
     err,
     handle_errors,
@@ -105,9 +106,7 @@ def keys_resign(accept_unverified: bool, as_json: bool) -> None:
     """Sign every blob's manifest with FARM_SIGNING_KEY: after a key is retired, or for blobs
     recorded before manifests were signed. Old signatures must verify against FARM_TRUSTED_KEYS;
     each stored blob is hashed again first. Needs the database, storage and the private key."""
-    from farm.cli.backends.direct import Direct  # farm[embedded]: an operator command
-
-    report = Direct.open(get_settings()).resign_blobs(accept_unverified)
+    report = direct("keys resign").resign_blobs(accept_unverified)
     data = report.as_dict()
 
     def human() -> None:
@@ -127,4 +126,5 @@ def keys_resign(accept_unverified: bool, as_json: bool) -> None:
         raise FarmCliError(
             f"{len(report.failures)} blob(s) not re-signed (each named with its reason above)",
             EXIT_CODES[kind],
+            "resign_failed",
         )

@@ -3,29 +3,31 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import click
 
 from farm.cli import main
 from farm.cli.common import (
+    EXIT_COMPILER_UNAVAILABLE,
     EXIT_INFRASTRUCTURE,
+    EXIT_UNAUTHORIZED,
+    direct,
+    direct_settings,
     emit,
     err,
     handle_errors,
+    installed,
     json_option,
+    not_installed,
     out,
     say,
     size_text,
 )
-from farm.core.config import get_settings
+from farm.core.checks import Check
+from farm.core.config import Settings, get_settings
+from farm.core.errors import ApiError, FarmError, Kind
 from farm.core.text import mask_url
-
-
-def _direct():
-    """The farm's database and store, straight (the operator commands need farm[embedded])."""
-    from farm.cli.backends.direct import Direct  # farm[embedded]: only operator commands
-
-    return Direct.open(get_settings())
 
 
 @main.command()
@@ -43,9 +45,10 @@ def _direct():
 @handle_errors
 def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> None:
     """Run a compile worker: probe the targets this host compiles and serve their queues."""
-    from farm.cli.backends.direct import run_worker  # farm[embedded]
+    settings = direct_settings("worker")
+    with installed("worker"):
+        from farm.cli.backends.direct import run_worker  # farm[embedded]
 
-    settings = get_settings()
     if not settings.served:
         raise click.UsageError(
             "farm worker needs FARM_BROKER_URL (and a shared database "
@@ -56,11 +59,17 @@ def worker(concurrency: int, name: str | None, beat: bool, loglevel: str) -> Non
 
 @main.command()
 @json_option
+@handle_errors
 def doctor(as_json: bool) -> None:
-    """What this host has (OpenVINO, devices, NPU libraries, targets) and which services answer."""
-    from farm.cli.backends.direct import host_checks  # farm[embedded]
-
-    checks = host_checks(get_settings())
+    """What this host has (OpenVINO, devices, NPU libraries, targets) and which services answer:
+    the API FARM_API_URL names (its /readyz, the token, the keys this machine trusts), or the
+    database, broker and store themselves."""
+    settings = get_settings()
+    checks = _openvino_checks()
+    if settings.api_url:
+        checks += api_checks(settings)
+    if not settings.api_url or settings.database_url:
+        checks += _farm_checks(settings)
     rows = [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks]
 
     def human() -> None:
@@ -70,8 +79,94 @@ def doctor(as_json: bool) -> None:
             say(c.detail)
 
     emit(rows, as_json, human)
-    if any(not c.ok for c in checks if c.name in ("database", "broker", "storage")):
+    failed = {c.name for c in checks if not c.ok}
+    if failed & {"api", "database", "broker", "storage"}:
         raise SystemExit(EXIT_INFRASTRUCTURE)
+    if "token" in failed:
+        raise SystemExit(EXIT_UNAUTHORIZED)
+    if "farm" in failed:
+        raise SystemExit(EXIT_COMPILER_UNAVAILABLE)
+
+
+def _openvino_checks() -> list[Check]:
+    try:
+        from farm.toolchain import openvino_checks  # OpenVINO: only when checked
+    except ModuleNotFoundError as error:
+        missing = not_installed(error, "compiling or importing blobs")
+        if missing is None:
+            raise
+        return [Check("openvino", False, str(missing))]
+    return openvino_checks()
+
+
+def _farm_checks(settings: Settings) -> list[Check]:
+    """The signing key and the services of the farm this host reaches directly."""
+    try:
+        from farm.cli.backends.direct import farm_checks  # farm[embedded]
+    except ModuleNotFoundError as error:
+        missing = not_installed(error, "the farm's database and store")
+        if missing is None:
+            raise
+        return [Check("farm", False, str(missing))]
+    return farm_checks(settings)
+
+
+def api_checks(settings: Settings) -> list[Check]:
+    """The farm API of FARM_API_URL: ready (its database, broker and store answer), the token
+    valid and its role, and the keys this machine verifies blobs with."""
+    assert settings.api_url
+    from farm.client import FarmClient
+
+    shown = mask_url(settings.api_url)
+    checks: list[Check] = []
+    with FarmClient(settings.api_url, settings.token, timeout=10.0) as client:
+        try:
+            status, body = client.readiness()
+        except ApiError as error:
+            return [Check("api", False, str(error))]
+        services = ", ".join(f"{name} {detail}" for name, detail in body["checks"].items())
+        ready = status == 200
+        checks.append(
+            Check("api", ready, f"{shown} {'ready' if ready else 'NOT ready'}: {services}")
+        )
+        checks.append(_token_check(client, settings))
+    checks.append(_trust_check(settings))
+    return checks
+
+
+def _token_check(client: Any, settings: Settings) -> Check:
+    if not settings.token:
+        return Check("token", False, "FARM_TOKEN is not set: the API answers nothing without one")
+    try:
+        client.resolve("0" * 64)  # any role may resolve: the token is valid
+    except ApiError as error:
+        return Check("token", False, f"the API refused FARM_TOKEN: {error}")
+    try:
+        client.jobs(limit=1)
+    except ApiError as error:
+        if error.kind is not Kind.FORBIDDEN:
+            return Check("token", False, str(error))
+        return Check("token", True, "valid, role pull (resolve, download and report pulls)")
+    return Check("token", True, "valid, role submit or admin")
+
+
+def _trust_check(settings: Settings) -> Check:
+    from farm.core.signing import TrustedKeys
+
+    if settings.allow_unsigned:
+        return Check("trusted keys", True, "FARM_ALLOW_UNSIGNED is set: imports unsigned blobs")
+    try:
+        trusted = TrustedKeys.from_files(settings.trusted_key_paths)
+    except FarmError as error:
+        return Check("trusted keys", False, str(error))
+    if not trusted.keys:
+        return Check(
+            "trusted keys",
+            False,
+            "none: every blob pulled from the farm is refused; set FARM_TRUSTED_KEYS to the "
+            "farm's public key (the .pub beside its FARM_SIGNING_KEY)",
+        )
+    return Check("trusted keys", True, ", ".join(sorted(trusted.keys)))
 
 
 @main.command()
@@ -79,7 +174,7 @@ def doctor(as_json: bool) -> None:
 @handle_errors
 def reconcile(as_json: bool) -> None:
     """One reconciler pass: re-send lost messages, take back expired leases, fail stuck jobs."""
-    report = _direct().reconcile()
+    report = direct("reconcile").reconcile()
     emit(
         report,
         as_json,
@@ -104,7 +199,7 @@ def reconcile(as_json: bool) -> None:
 def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
     """Delete blobs no edge has pulled for N days, from the database and from storage, and
     model files no job names, older than FARM_MODEL_GRACE_SECONDS."""
-    report = _direct().collect_garbage(unpulled_days, dry_run)
+    report = direct("gc").collect_garbage(unpulled_days, dry_run)
 
     def human() -> None:
         verb = "would delete" if dry_run else "deleted"
@@ -142,9 +237,10 @@ def db() -> None:
 @handle_errors
 def db_upgrade(as_json: bool) -> None:
     """Bring the database schema to the latest migration."""
-    from farm.cli.backends.direct import upgrade_schema  # farm[embedded]
+    settings = direct_settings("db upgrade")
+    with installed("db upgrade"):
+        from farm.cli.backends.direct import upgrade_schema  # farm[embedded]
 
-    settings = get_settings()
     revision = upgrade_schema(settings)
     shown = mask_url(settings.resolved_database_url)
     emit(
@@ -161,9 +257,11 @@ def db_upgrade(as_json: bool) -> None:
 @handle_errors
 def api(host: str, port: int, processes: int) -> None:
     """Serve the HTTP API (uvicorn)."""
-    from farm.cli.backends.direct import serve_api  # farm[embedded]
+    settings = direct_settings("api")
+    with installed("api"):
+        from farm.cli.backends.direct import serve_api  # farm[embedded]
 
-    serve_api(host, port, processes, get_settings())
+    serve_api(host, port, processes, settings)
 
 
 @main.group()
@@ -193,7 +291,7 @@ def token_create(
     expires_at = expires.replace(tzinfo=UTC) if expires else None
     if expires_in is not None:
         expires_at = datetime.now(UTC) + timedelta(days=expires_in)
-    secret = _direct().create_token(name, role, expires_at)
+    secret = direct("token create").create_token(name, role, expires_at)
     emit(
         {"name": name, "role": role, "expires_at": expires_at, "token": secret},
         as_json,
@@ -207,7 +305,7 @@ def token_create(
 @handle_errors
 def token_revoke(name: str, as_json: bool) -> None:
     """Revoke the token called NAME; requests with it get 401 from now on."""
-    revoked_at = _direct().revoke_token(name)
+    revoked_at = direct("token revoke").revoke_token(name)
     emit({"name": name, "revoked_at": revoked_at}, as_json, lambda: out.print(f"revoked {name}"))
 
 
@@ -226,7 +324,7 @@ def token_list(as_json: bool) -> None:
             "expires_at": t.expires_at,
             "state": _token_state(t, at),
         }
-        for t in _direct().list_tokens()
+        for t in direct("token list").list_tokens()
     ]
 
     def human() -> None:

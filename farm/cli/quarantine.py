@@ -14,11 +14,11 @@ import click
 
 from farm.cli.common import (
     backend,
-    check_key,
     emit,
     handle_errors,
     json_option,
     print_blob,
+    resolve_key,
     say,
 )
 from farm.cli.jobs import blobs
@@ -31,7 +31,8 @@ from farm.cli.jobs import blobs
 @handle_errors
 def quarantine(cache_key: str, reason: str, as_json: bool) -> None:
     """Quarantine a blob: edges refuse it until it is released (or rebuilt)."""
-    blob = backend().quarantine(check_key(cache_key), reason)
+    farm = backend()
+    blob = farm.quarantine(resolve_key(farm, cache_key), reason)
     emit(blob, as_json, functools.partial(print_blob, blob))
 
 
@@ -41,7 +42,8 @@ def quarantine(cache_key: str, reason: str, as_json: bool) -> None:
 @handle_errors
 def release(cache_key: str, as_json: bool) -> None:
     """Lift a blob's quarantine; its verifications stay on record."""
-    blob = backend().release(check_key(cache_key))
+    farm = backend()
+    blob = farm.release(resolve_key(farm, cache_key))
     emit(blob, as_json, functools.partial(print_blob, blob))
 
 
@@ -52,6 +54,7 @@ def release(cache_key: str, as_json: bool) -> None:
 def delete(cache_key: str, as_json: bool) -> None:
     """Delete a quarantined blob (its verifications stay on record); a blob in use is left to
     `farm gc`."""
-    key = check_key(cache_key)
-    backend().delete_blob(key)
+    farm = backend()
+    key = resolve_key(farm, cache_key)
+    farm.delete_blob(key)
     emit({"cache_key": key, "deleted": True}, as_json, lambda: say(f"deleted blob {key}"))

@@ -14,6 +14,7 @@ import click
 from farm.cli import main
 from farm.cli.common import (
     EXIT_REJECTED,
+    backend,
     emit,
     handle_errors,
     json_option,
@@ -23,7 +24,8 @@ from farm.cli.common import (
 )
 from farm.cli.edge import edge_agent, key_of
 
-_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
+_KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
+"""A cache key, or a prefix of one (`farm.core.keyprefix`): then --device is where to run."""
 
 
 @main.command()
@@ -73,10 +75,12 @@ def verify(
     from farm.edge.verify import verify_blob  # OpenVINO: only when used
 
     run_on = None
-    if _KEY.match(key_or_model.strip()) and options["device"] is not None:
+    as_key = _KEY.match(key_or_model.strip()) and not Path(key_or_model).exists()
+    if as_key and options["device"] is not None:
         run_on, options = options["device"], {**options, "device": None}
-    key, model_bin = key_of(key_or_model, options)
-    agent = edge_agent()
+    farm = backend()
+    key, model_bin = key_of(key_or_model, options, farm)
+    agent = edge_agent(farm)
     agent.allow_quarantined = allow_quarantined
     record = agent.resolve(key)
     result = verify_blob(

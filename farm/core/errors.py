@@ -31,7 +31,11 @@ class Kind(enum.Enum):
     CANNOT_RUN_HERE = "cannot_run_here"
     """This host cannot compile for the target, or cannot import the blob."""
     INTEGRITY = "integrity"
-    """Bytes or signatures do not match what was recorded: refused, never used."""
+    """Bytes do not match what was recorded: refused, never used."""
+    UNTRUSTED = "untrusted"
+    """A blob that is unsigned, signed by a key this machine does not trust, or whose signature
+    does not verify: refused, never imported. Fixed by trust (FARM_TRUSTED_KEYS) or by the
+    farm's operator (`farm keys resign`), not by retrying."""
     INFRASTRUCTURE = "infrastructure"
     """Storage, database, broker, disk or the API failed; retrying later may succeed."""
     UNAUTHORIZED = "unauthorized"
@@ -180,6 +184,20 @@ class Incompatible(FarmError):
     kind, code = Kind.CANNOT_RUN_HERE, "incompatible"
 
 
+class NotInstalled(FarmError):
+    """This install lacks the libraries a command needs (an edge install running an operator
+    command): the message names the extra to install (`farm[server]`)."""
+
+    kind, code = Kind.CANNOT_RUN_HERE, "not_installed"
+
+
+class NeedsDatabase(FarmError):
+    """A command that works on the farm's database itself, run where only the API is configured
+    (FARM_API_URL without FARM_DATABASE_URL): refused rather than run on a local database."""
+
+    kind, code = Kind.CANNOT_RUN_HERE, "needs_database"
+
+
 # --- integrity -----------------------------------------------------------------------------
 
 
@@ -192,7 +210,7 @@ class IntegrityMismatch(FarmError):
 class SignatureError(FarmError):
     """A blob record that is unsigned, signed by an untrusted key, or whose signature fails."""
 
-    kind, code = Kind.INTEGRITY, "signature_invalid"
+    kind, code = Kind.UNTRUSTED, "signature_invalid"
 
 
 class BlobQuarantined(FarmError):

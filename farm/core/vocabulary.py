@@ -25,8 +25,9 @@ ACTIVE_STATES: tuple[str, ...] = (JobState.QUEUED, JobState.RUNNING)
 """At most one job per cache key is in these states (a partial unique index)."""
 FINAL_STATES: tuple[str, ...] = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
-Outcome = Literal["hit", "existing", "queued"]
-"""A submission's answer per spec: the blob exists, a job for it is active, or a new job."""
+Outcome = Literal["hit", "existing", "queued", "unavailable"]
+"""A submission's answer per spec: the blob exists, a job for it is active, a new job, or (an
+embedded farm, which compiles only on its own host) no job: this host cannot compile it."""
 
 COMPILE_TASK = "farm.compile"
 """The Celery task that runs one job; its only argument is the job id."""

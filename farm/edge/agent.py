@@ -30,13 +30,14 @@ from farm.core.errors import (
     DiskFull,
     Incompatible,
     IntegrityMismatch,
+    ModelFileError,
     NotFound,
     SignatureError,
 )
 from farm.core.filecache import BlobCache
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
-from farm.edge.importer import import_blob
+from farm.edge.importer import import_blob, import_failure
 from farm.toolchain import host_toolchain
 
 DOWNLOAD_ATTEMPTS = 5
@@ -265,13 +266,20 @@ class EdgeAgent:
         try:
             if blob.get("weightless"):
                 if weights is None:
-                    raise IntegrityMismatch(
-                        "this blob is weightless: give the model's own .bin to import it with"
+                    wanted = (blob.get("model") or {}).get("bin") or "?"
+                    raise ModelFileError(
+                        f"blob {cache_key} is weightless: import it with --weights MODEL.bin, "
+                        f"the model's own weights file (sha256 {wanted}), or pull it by the "
+                        "model (farm pull MODEL.xml --device ...)"
                     )
                 verify_weights(blob, weights)
             lease = self.cache.hold(cache_key)
             try:
                 imported = import_blob(fetched.path, device, weights, lease)
+            except RuntimeError as error:  # what OpenVINO raises, as an error one can act on
+                lease.close()
+                target = Target.parse(blob["target"])
+                raise import_failure(fetched.path, target, weights, error) from error
             except BaseException:
                 lease.close()
                 raise

@@ -6,6 +6,7 @@ Imports openvino and numpy only (the edge install has no compiler, database or b
 from __future__ import annotations
 
 import mmap
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ import numpy as np
 import openvino as ov
 
 from farm.core.blobformat import CACHE_ENTRY_MAGIC, read_header
+from farm.core.errors import BlobFormatError, FarmError, Incompatible
+from farm.core.spec import Target
+from farm.toolchain import last_line
 
 COPY_CHUNK = 1 << 20
 
@@ -127,6 +131,56 @@ class _DropBehind:
 
     def _drop(self) -> None:
         self.mapping.madvise(mmap.MADV_DONTNEED)
+
+
+WEIGHTLESS_SIGNS = (
+    "Empty weights data in bin file",
+    "bin file cannot be found",
+    "Attribute and shape size are inconsistent for Const op",
+)
+"""What OpenVINO says when it imports a weightless blob without its weights (2025.4, 2026.4)."""
+OTHER_DEVICE_SIGNS = ("No backend registered during model import",)
+"""What the NPU plugin says of a blob that is not an NPU blob (a CPU blob, for one)."""
+
+
+def import_failure(path: Path, target: Target, weights: Path | None, error: Exception) -> FarmError:
+    """Why OpenVINO could not import the blob at `path` for `target`, as the farm error a person
+    can act on: weights to give (bad input), a blob of another device or OpenVINO (this host
+    cannot import it, exit 4), or a file that is no blob (bad input)."""
+    said = last_line(error)
+    text = str(error)
+    if weights is None and any(sign in text for sign in WEIGHTLESS_SIGNS):
+        # The farm's cache and --into-cache-dir name a blob after its cache key.
+        key = path.stem if re.fullmatch("[0-9a-f]{64}", path.stem) else "CACHE_KEY"
+        return BlobFormatError(
+            f"{path} is a weightless blob (compiled with --weightless): import it with "
+            f"--weights MODEL.bin, the weights file of the very model it was compiled from (its "
+            f"sha256 is the model's `bin` digest, in `farm status {key} --json`). "
+            f"OpenVINO said: {said}"
+        )
+    if any(sign in text for sign in OTHER_DEVICE_SIGNS):
+        return Incompatible(
+            f"cannot import {path} on {target}: it is not a blob for {target.device} "
+            f"(compiled for another device?); OpenVINO said: {said}"
+        )
+    built = _built_with(path)
+    if built is not None and built != ov.get_version():
+        return Incompatible(
+            f"cannot import {path}: it was written by OpenVINO {built}, this machine has "
+            f"{ov.get_version()}; OpenVINO said: {said}"
+        )
+    return BlobFormatError(
+        f"OpenVINO cannot import {path} (neither an exported blob nor an OpenVINO cache "
+        f"entry it can read): {said}"
+    )
+
+
+def _built_with(path: Path) -> str | None:
+    """The OpenVINO build that wrote the cache entry at `path` (None for a plain blob)."""
+    try:
+        return read_header(path).openvino_build if payload_offset(path) else None
+    except (OSError, BlobFormatError):
+        return None
 
 
 def infer_once(imported: ImportedBlob, seed: int = 0) -> dict[str, Any]:

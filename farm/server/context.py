@@ -25,7 +25,12 @@ from farm.core.filecache import BlobCache
 from farm.core.signing import Signer, load_signer
 from farm.core.text import mask_url
 from farm.server.db.models import Job
-from farm.server.db.session import make_engine, make_session_factory, upgrade_database
+from farm.server.db.session import (
+    make_engine,
+    make_session_factory,
+    sqlite_at_head,
+    upgrade_database,
+)
 from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
 from farm.server.jobs.runner import RunLimits, run_job
 from farm.server.storage import BlobStore, open_store
@@ -47,7 +52,7 @@ class FarmContext:
         upgraded by `farm db upgrade`, deliberately."""
         context = cls(settings or get_settings(), worker=worker)
         url = context.settings.resolved_database_url
-        if url.startswith("sqlite"):
+        if url.startswith("sqlite") and not sqlite_at_head(url):
             with database_errors(url):
                 upgrade_database(url)
         return context

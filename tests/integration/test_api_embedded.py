@@ -59,5 +59,38 @@ def test_embedded_api_compiles_and_streams_ranges(tmp_path):
         out = tmp_path / "pulled.blob"
         farm(client_env, "pull", key, "-o", str(out), "--format", "cache-entry")
         assert out.read_bytes() == full.content
+
+        # A unique key prefix works through the API as it does on the database (issue 17.12).
+        shown = json.loads(farm(client_env, "status", key[:10], "--json").stdout)
+        assert shown["cache_key"] == key and shown["blob"]["sha256"] == meta["sha256"]
+
+        # The embedded farm compiles on its own host only: an NPU spec it cannot compile is
+        # `unavailable`, with the reason, and records no job; the CPU spec is answered (17.7).
+        matrix = subprocess.run(
+            [sys.executable, "-m", "farm", "submit", str(xml), "-d", "4000,CPU", "--json"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **client_env},
+            timeout=300,
+            check=False,
+        )
+        assert matrix.returncode == 4, matrix.stderr
+        npu, cpu = json.loads(matrix.stdout)["results"]
+        assert (npu["target"], npu["outcome"], npu["job"]) == ("NPU.4000", "unavailable", None)
+        assert "cannot compile for NPU.4000" in npu["reason"]
+        assert (cpu["outcome"], cpu["cache_key"]) == ("hit", key)
+        jobs = json.loads(farm(client_env, "jobs", "--json").stdout)
+        assert [job["target"] for job in jobs] == ["CPU"]
+
+        # farm doctor checks the API it is pointed at, not a farm of its own (17.3).
+        checks = {c["check"]: c for c in json.loads(farm(client_env, "doctor", "--json").stdout)}
+        assert checks["api"]["ok"] and checks["api"]["detail"].startswith(f"{server.url} ready")
+        assert checks["token"] == {
+            "check": "token",
+            "ok": True,
+            "detail": "valid, role submit or admin",
+        }
+        assert checks["trusted keys"]["ok"] and "database" not in checks
+        assert not (tmp_path / "elsewhere").exists()  # no embedded farm created client-side
     finally:
         server.stop()

@@ -259,3 +259,44 @@ def test_doctor_on_a_healthy_host_reports_openvino_devices_npu_libraries_and_tar
             check = checks[f"compile {target}"]
             assert check["ok"] is False and NPU_COMPILER_LIBRARY in check["detail"], target
             assert f"missing compile {target}: cannot compile for {target}" in text
+
+
+def test_a_matrix_with_a_target_this_host_cannot_compile_compiles_the_rest(farm_home, conv_xml):
+    result = farm(farm_home, "submit", str(conv_xml), "-d", "4000,CPU", "--json", check=False)
+    assert result.returncode == 4, result.stderr  # the worst of the specs' outcomes
+    npu, cpu = json.loads(result.stdout)["results"]
+    assert (npu["outcome"], npu["job"]) == ("unavailable", None)
+    assert "libopenvino_intel_npu_compiler_loader.so" in npu["reason"]
+    assert cpu["job"]["state"] == "succeeded"
+    assert row_count(farm_home, "jobs") == 1 and row_count(farm_home, "blobs") == 1
+    human = farm(farm_home, "submit", str(conv_xml), "-d", "CPU,4000", check=False)
+    assert human.returncode == 4
+    lines = human.stdout.splitlines()  # piped: one line per fact, never wrapped
+    assert lines[0] == f"cache key  {cpu['cache_key']}  (CPU)"
+    assert lines[1] == "outcome    hit (the blob exists; nothing compiled)"
+    assert lines[3].startswith("outcome    unavailable (no job): cannot compile for NPU.4000: ")
+
+
+def test_run_says_what_a_blob_needs_to_import(farm_home, conv_xml, tmp_path):
+    weightless = farm_json(farm_home, "submit", str(conv_xml), "-d", "CPU", "--weightless")
+    blob = tmp_path / "weightless.blob"
+    farm(farm_home, "pull", weightless["cache_key"][:12], "-o", str(blob))
+    bare = farm(farm_home, "run", str(blob), "--device", "CPU", check=False)
+    assert bare.returncode == 2
+    assert f"{blob} is a weightless blob (compiled with --weightless): import it with " in (
+        bare.stderr
+    )
+    assert "--weights MODEL.bin" in bare.stderr and bare.stderr.count("\n") == 1
+    weights = str(conv_xml.with_suffix(".bin"))
+    assert farm_json(farm_home, "run", str(blob), "-d", "CPU", "--weights", weights)["outputs"]
+    key = weightless["cache_key"]
+    pulled = farm(farm_home, "pull", key, "--import", check=False)
+    assert pulled.returncode == 2
+    assert f"blob {key} is weightless: import it with --weights MODEL.bin" in pulled.stderr
+
+    # A CPU blob on an NPU: this host cannot import it (README: exit 4), not bad input.
+    on_npu = farm(farm_home, "run", str(blob), "--device", "4000", "--json", check=False)
+    assert on_npu.returncode == 4
+    error = json.loads(on_npu.stderr)
+    assert error["code"] == "incompatible" and error["exit"] == 4
+    assert error["message"].startswith(f"cannot import {blob} on NPU.4000: it is not a blob for")

@@ -163,7 +163,7 @@ def test_an_incompatible_toolchain_is_refused_before_any_download(edge_farm):
     with sqlite3.connect(edge_farm.home / "farm.db") as connection:
         connection.execute("UPDATE blobs SET toolchain = ?", (json.dumps(toolchain),))
     tampered = run_farm(edge_farm.edge_env(), "pull", edge_farm.key)
-    assert tampered.returncode == 5 and "invalid signature" in tampered.stderr  # it is signed
+    assert tampered.returncode == 8 and "invalid signature" in tampered.stderr  # it is signed
     resign_manifest(edge_farm)  # a blob the farm's key really signed for another CPU
 
     result = run_farm(edge_farm.edge_env(), "pull", edge_farm.key)

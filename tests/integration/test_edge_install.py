@@ -51,6 +51,48 @@ def test_the_edge_install_has_no_server_packages(edge_venv):
     assert found == dict.fromkeys(SERVER_ONLY, False)
 
 
+def edge_farm(venv: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(venv / "bin" / "farm"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pull", "a" * 64],
+        ["jobs"],
+        ["gc", "--unpulled-days", "1"],
+        ["token", "list"],
+        ["db", "upgrade"],
+        ["doctor"],
+    ],
+)
+def test_what_needs_the_farm_itself_names_the_install_it_needs(edge_venv, tmp_path, args):
+    """No FARM_API_URL on an edge install: a clear error and exit 4, never a traceback."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "FARM_HOME": str(tmp_path / "f")}
+    result = edge_farm(edge_venv, env, *args, "--json")
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr
+    if args == ["doctor"]:  # doctor reports what it can: OpenVINO here, and what is missing
+        checks = {c["check"]: c for c in json.loads(result.stdout)}
+        assert checks["openvino"]["ok"] and not checks["farm"]["ok"]
+        assert "pip install 'farm[server]'" in checks["farm"]["detail"]
+        return
+    error = json.loads(result.stderr)
+    assert (error["code"], error["exit"]) == ("not_installed", 4)
+    assert (
+        "needs sqlalchemy, which this install lacks: pip install 'farm[server]'"
+        in (error["message"])
+    )
+    assert not (tmp_path / "f").exists()
+
+
 def test_a_worker_blob_is_pulled_imported_and_run_on_the_edge_install(
     edge_venv, served, api, tmp_path
 ):
@@ -88,6 +130,21 @@ def test_a_worker_blob_is_pulled_imported_and_run_on_the_edge_install(
     assert Path(pulled["path"]).is_relative_to(tmp_path / "edge-home" / ".cache" / "farm")
     ran = edge("run", pulled["path"], "--device", "CPU")
     assert list(ran["outputs"].values()) == [[1, 16, 32]]
+    # Submitting goes over HTTP too (a hit here), and doctor checks the API it is pointed at.
+    resubmitted = edge_farm(
+        edge_venv,
+        {**edge_env, "FARM_TOKEN": api.tokens["submit"]},
+        "submit",
+        str(xml),
+        "-d",
+        "CPU",
+        "--json",
+    )
+    assert resubmitted.returncode == 0, resubmitted.stderr
+    assert json.loads(resubmitted.stdout) == {"outcome": "hit", "cache_key": pulled["cache_key"]}
+    checks = {c["check"]: c for c in edge("doctor")}
+    assert checks["api"]["ok"] and checks["token"]["detail"].startswith("valid, role pull")
+    assert checks["trusted keys"]["ok"] and "farm" not in checks
 
     with served.sessions() as session:
         pulls = session.scalars(select(Pull)).all()

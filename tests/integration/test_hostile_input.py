@@ -88,6 +88,21 @@ ARG_CASES: dict[str, tuple[list[str], int, str]] = {
         2,
         "is not a usable input name",
     ),
+    "layout-rank-mismatch": (
+        ["--batch", "2", "--layout", "x:NCHWQ"],
+        2,
+        "--layout NCHWQ does not fit input x[1,3,32,32]",
+    ),
+    "layout-of-a-partly-known-rank": (
+        ["--batch", "2", "--layout", "x:N?"],
+        2,
+        "--layout N? does not fit input x[1,3,32,32]",
+    ),
+    "batch-on-the-channel-axis": (
+        ["--batch", "2", "--layout", "x:CNHW"],
+        2,
+        "cannot set batch 2",
+    ),
     "matrix-over-limit": (
         ["--batch", ",".join(str(b) for b in range(1, 66)), "--layout", "NCHW"],
         2,
@@ -100,7 +115,7 @@ COMMAND_CASES: dict[str, tuple[list[str], int, str]] = {
     "cache-key-path-traversal": (
         ["pull", "../../etc", "-o", "x.blob"],
         2,
-        "'../../etc' is neither a job number nor a 64-hex cache key",
+        "'../../etc' is neither a job number nor a cache key",
     ),
     "token-name-not-utf8": (
         ["token", "create", "--name", NOT_UTF8, "--role", "pull"],

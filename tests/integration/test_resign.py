@@ -47,7 +47,7 @@ def test_resign_after_retiring_a_key_lets_edges_trusting_only_the_new_key_import
     new_id = ok_json(edge_farm.farm_env, "keys", "create", "--path", str(new_key))["key_id"]
     new_edge = {**edge_farm.edge_env(), "FARM_TRUSTED_KEYS": f"{new_key}.pub"}
     retired = run_farm(new_edge, "pull", key_a)
-    assert retired.returncode == 5 and f"signed by key {old_id}" in retired.stderr
+    assert retired.returncode == 8 and f"signed by key {old_id}" in retired.stderr
 
     operator = {
         **edge_farm.farm_env,
@@ -72,7 +72,7 @@ def test_resign_after_retiring_a_key_lets_edges_trusting_only_the_new_key_import
     pulled = ok_json(new_edge, "pull", key_a, "--import")
     assert pulled["downloaded"] is True and pulled["import_seconds"] > 0
     corrupt = run_farm(new_edge, "pull", key_b)
-    assert corrupt.returncode == 5 and f"signed by key {old_id}" in corrupt.stderr
+    assert corrupt.returncode == 8 and f"signed by key {old_id}" in corrupt.stderr
 
     again = run_farm(operator, "keys", "resign")  # nothing new: cheap, and says so
     assert again.returncode == 5
@@ -95,7 +95,7 @@ def test_resign_signs_only_what_it_can_show_is_genuine(edge_farm, tmp_path):  # 
     (manifest_signature,) = edge_farm.sql("SELECT manifest_signature FROM blobs")[0]
     set_row(edge_farm, key, manifest_signature=None)
     v1_only = run_farm(edge, "pull", key)
-    assert v1_only.returncode == 5 and "farm keys resign" in v1_only.stderr
+    assert v1_only.returncode == 8 and "farm keys resign" in v1_only.stderr
     upgraded = ok_json(edge_farm.farm_env, "keys", "resign")
     assert upgraded == {
         "key_id": farm_id,
@@ -112,7 +112,7 @@ def test_resign_signs_only_what_it_can_show_is_genuine(edge_farm, tmp_path):  # 
     create_key_pair(new_key)
     operator = {**edge_farm.farm_env, "FARM_SIGNING_KEY": str(new_key)}
     untrusted = run_farm(operator, "keys", "resign", "--json")
-    assert untrusted.returncode == 5
+    assert untrusted.returncode == 8
     (failure,) = json.loads(untrusted.stdout)["failures"]
     assert f"signed by key {farm_id}, which this machine does not trust" in failure["reason"]
     assert "pass --accept-unverified" in failure["reason"]

@@ -45,14 +45,14 @@ def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noq
     env = edge_farm.edge_env()
     untrusting = {**env, "FARM_TRUSTED_KEYS": ""}
     refused = run_farm(untrusting, "pull", edge_farm.key)
-    assert refused.returncode == 5 and "does not trust" in refused.stderr
+    assert refused.returncode == 8 and "does not trust" in refused.stderr
 
     (signature, manifest_signature, key_id), *_ = edge_farm.sql(
         "SELECT signature, manifest_signature, signing_key_id FROM blobs"
     )
     set_blob(edge_farm, signature=None, manifest_signature=None, signing_key_id=None)
     unsigned = run_farm(env, "pull", edge_farm.key)
-    assert unsigned.returncode == 5 and "not signed" in unsigned.stderr
+    assert unsigned.returncode == 8 and "not signed" in unsigned.stderr
     allowed = ok_json({**env, "FARM_ALLOW_UNSIGNED": "1"}, "pull", edge_farm.key)
     assert allowed["downloaded"] is True
 
@@ -61,11 +61,11 @@ def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noq
     forgery = Signer.from_file(edge_farm.home / "keys" / "signing.pem").sign_manifest(other)
     set_blob(edge_farm, signature=signature, manifest_signature=forgery, signing_key_id=key_id)
     forged = run_farm(env, "pull", edge_farm.key)
-    assert forged.returncode == 5 and "invalid signature" in forged.stderr
+    assert forged.returncode == 8 and "invalid signature" in forged.stderr
     # Only the v1 signature (a record stripped of its manifest signature): never accepted.
     set_blob(edge_farm, signature=signature, manifest_signature=None, signing_key_id=key_id)
     v1_only = run_farm(env, "pull", edge_farm.key)
-    assert v1_only.returncode == 5 and "only a v1 signature" in v1_only.stderr
+    assert v1_only.returncode == 8 and "only a v1 signature" in v1_only.stderr
     assert "farm keys resign" in v1_only.stderr
     set_blob(
         edge_farm, signature=signature, manifest_signature=manifest_signature, signing_key_id=key_id
@@ -96,7 +96,7 @@ def test_keys_rotate_and_farm_keys_creates_and_shows_them(edge_farm, tmp_path): 
     assert ok_json(both, "pull", edge_farm.key)["downloaded"] is True
     assert ok_json(both, "pull", new_blob["cache_key"])["downloaded"] is True
     only_old = {**edge_farm.edge_env(), "FARM_CACHE_DIR": str(tmp_path / "other-cache")}
-    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 5
+    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 8  # untrusted
 
     shown = ok_json({**rotated, "FARM_TRUSTED_KEYS": f"{new_key}.pub"}, "keys", "show")
     assert shown["signing_key"]["key_id"] == created["key_id"]

@@ -5,13 +5,15 @@ new job needs it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pytest
 from sqlalchemy import select
 
+from farm import toolchain
 from farm.core.clock import now
-from farm.core.errors import CompilerUnavailable, ModelMissing
+from farm.core.errors import ModelMissing
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.context import FarmContext
@@ -394,10 +396,12 @@ def test_max_attempts_from_the_settings_lands_on_the_row(tmp_path, monkeypatch, 
 # --- targets this host cannot compile --------------------------------------------------------
 
 
-def test_an_uncompilable_target_is_refused_before_anything_is_stored(embedded_farm, stub, ref):
+def test_an_uncompilable_target_is_unavailable_and_nothing_is_stored(embedded_farm, stub, ref):
     # The real probe: this host has no NPU compiler.
-    with pytest.raises(CompilerUnavailable, match=r"^cannot compile for NPU\.4000: "):
-        submit(embedded_farm, stub, ref, [NPU], refuse_uncompilable=True)
+    submitted = submit(embedded_farm, stub, ref, [NPU], refuse_uncompilable=True)
+    [(_, outcome)] = submitted.results
+    assert (outcome.outcome, outcome.job_id) == ("unavailable", None)
+    assert outcome.reason and outcome.reason.startswith("cannot compile for NPU.4000: ")
     assert (job_ids(embedded_farm), model_rows(embedded_farm)) == ([], [])
     assert (stored_models(embedded_farm), stub.sent) == ([], [])
 
@@ -411,17 +415,22 @@ def fake_probe(target: Target) -> str | None:
     return f"cannot compile for {target}: no compiler" if target.is_npu else None
 
 
-def test_refusing_one_spec_of_a_matrix_stores_no_job(embedded_farm, stub, ref, monkeypatch):
-    monkeypatch.setattr(service.host, "unavailable_reason", fake_probe)
-    monkeypatch.setattr(service.host, "host_toolchain", lambda target: TOOLCHAIN)
-    with pytest.raises(CompilerUnavailable, match=r"^cannot compile for NPU\.4000: no compiler$"):
-        submit(embedded_farm, stub, ref, [CPU, NPU], refuse_uncompilable=True)
-    assert stub.sent == []
-    assert job_ids(embedded_farm) == []
+def test_a_matrix_compiles_what_this_host_can_and_says_why_not_the_rest(
+    embedded_farm, stub, ref, monkeypatch
+):
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)
+    submitted = submit(embedded_farm, stub, ref, [CPU, NPU], refuse_uncompilable=True)
+    (_, cpu), (_, npu) = submitted.results
+    assert cpu.outcome == "queued" and stub.sent == [(cpu.job_id, "embedded")]
+    assert (npu.outcome, npu.job_id) == ("unavailable", None)
+    assert npu.reason == "cannot compile for NPU.4000: no compiler"
+    assert job_ids(embedded_farm) == [cpu.job_id]
 
 
 def test_the_embedded_farm_refuses_a_toolchain_it_does_not_have(embedded_farm, stub, ref):
     """It would compile with its own toolchain and record the blob under another's key."""
-    with pytest.raises(CompilerUnavailable, match=r"the submission asks for .*'x'.*--toolchain"):
-        submit(embedded_farm, stub, ref, [CPU], refuse_uncompilable=True)
+    [(_, outcome)] = submit(embedded_farm, stub, ref, [CPU], refuse_uncompilable=True).results
+    assert outcome.outcome == "unavailable"
+    assert re.search(r"the submission asks for .*'x'.*--toolchain", outcome.reason or "")
     assert stub.sent == [] and job_ids(embedded_farm) == []

@@ -61,6 +61,10 @@ class Backend(Protocol):
 
     def resolve(self, cache_key: str) -> dict[str, Any] | None: ...
 
+    def cache_keys(self, prefix: str) -> list[str]:
+        """Keys of blobs and jobs starting with `prefix` (a few: `farm.core.keyprefix`)."""
+        ...
+
     def latest_job(self, cache_key: str) -> dict[str, Any] | None: ...
 
     def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:

@@ -16,19 +16,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from farm import toolchain
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.checks import Check
 from farm.core.config import Settings
 from farm.core.errors import KeyFileError, NotFound
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
+from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
-from farm.server.blobs.rebuild import delete_quarantined, retire_quarantined
+from farm.server.blobs.rebuild import delete_quarantined
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
@@ -82,8 +82,6 @@ class Direct:
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
-                if rebuild:
-                    retire_quarantined(session, self.farm.store, ref.identity, specs, toolchain)
                 submitted = jobs.submit_matrix(
                     session,
                     self.farm.store,
@@ -96,6 +94,7 @@ class Direct:
                     upload_from=ref,
                     refuse_uncompilable=not self.farm.settings.served,
                     reference_inputs=inputs_sha,
+                    rebuild=rebuild,
                 )
         finally:
             dispatcher.close()
@@ -107,6 +106,7 @@ class Direct:
                     "target": spec.target.name,
                     "outcome": outcome.outcome,
                     "job": self.job(outcome.job_id) if outcome.job_id else None,
+                    "reason": outcome.reason,
                 }
                 for spec, outcome in submitted.results
             ],
@@ -163,6 +163,10 @@ class Direct:
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
             return blob_dict(blob) if blob else None
+
+    def cache_keys(self, prefix: str) -> list[str]:
+        with self._session() as session:
+            return blobs.cache_keys_starting_with(session, prefix, CANDIDATES_SHOWN + 1)
 
     def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -315,13 +319,9 @@ def upgrade_schema(settings: Settings) -> str | None:
         return upgrade_database(url)
 
 
-def host_checks(settings: Settings) -> list[Check]:
-    """`farm doctor`: OpenVINO and its targets, the signing key, and each service."""
-    return [
-        *toolchain.openvino_checks(),
-        doctor.signing_check(settings),
-        *doctor.service_checks(settings),
-    ]
+def farm_checks(settings: Settings) -> list[Check]:
+    """`farm doctor` on the farm itself: the signing key, and each service."""
+    return [doctor.signing_check(settings), *doctor.service_checks(settings)]
 
 
 def run_worker(settings: Settings, **options: Any) -> None:

@@ -52,6 +52,9 @@ class Http:
     def resolve(self, cache_key: str) -> dict[str, Any] | None:
         return self.client.resolve(cache_key)
 
+    def cache_keys(self, prefix: str) -> list[str]:
+        return self.client.cache_keys(prefix)
+
     def latest_job(self, cache_key: str) -> dict[str, Any] | None:
         jobs = self.client.jobs(cache_key=cache_key, limit=1)
         return jobs[0] if jobs else None

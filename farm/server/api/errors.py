@@ -30,6 +30,7 @@ HTTP_STATUS: dict[Kind, int] = {
     Kind.CONFLICT: 409,
     Kind.CANNOT_RUN_HERE: 422,
     Kind.INTEGRITY: 502,
+    Kind.UNTRUSTED: 502,
     Kind.INFRASTRUCTURE: 503,
     Kind.UNAUTHORIZED: 401,
     Kind.FORBIDDEN: 403,

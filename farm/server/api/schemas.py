@@ -131,6 +131,8 @@ class SubmissionResult(BaseModel):
     target: str
     outcome: Outcome
     job: JobOut | None
+    reason: str | None = None
+    """Why an `unavailable` spec (an embedded farm that cannot compile it) has no job."""
 
 
 class SubmissionResponse(BaseModel):

@@ -11,12 +11,12 @@ from pathlib import Path
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from farm.core import hashing
+from farm.core import hashing, keyprefix
 from farm.core.clock import now
 from farm.core.errors import IntegrityMismatch, NotFound
 from farm.core.spec import Target
 from farm.server import pagination
-from farm.server.db.models import Blob, Pull
+from farm.server.db.models import Blob, Job, Pull
 from farm.server.storage import BlobStore
 
 
@@ -102,3 +102,20 @@ def require(session: Session, cache_key: str) -> Blob:
     if blob is None:
         raise NotFound(f"no blob for cache key {cache_key}")
     return blob
+
+
+def cache_keys_starting_with(session: Session, prefix: str, limit: int) -> list[str]:
+    """Up to `limit` distinct cache keys of blobs and jobs that start with `prefix` (lower-case
+    hex, `farm.core.keyprefix`), in order: what a unique key prefix is resolved against."""
+    upper = keyprefix.upper_bound(prefix)
+    found: set[str] = set()
+    for column in (Blob.cache_key, Job.cache_key):
+        query = (
+            select(column)
+            .where(column >= prefix, column < upper)
+            .distinct()
+            .order_by(column)
+            .limit(limit)
+        )
+        found.update(session.scalars(query))
+    return sorted(found)[:limit]

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.errors import Conflict, NotFound
-from farm.core.reference import default_tolerance
 from farm.core.spec import Target
+from farm.core.tolerance import default_tolerance
 from farm.server.blobs.service import require, resolve
 from farm.server.db.models import Blob, Verification
 from farm.server.db.session import rows_changed

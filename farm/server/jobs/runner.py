@@ -46,7 +46,6 @@ from farm.server.blobs.signatures import sign_reference, sign_row
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
-from farm.server.jobs.reference import skip_reason
 from farm.server.jobs.sandbox import blob_limit_message, compile_in_child, reference_in_child
 from farm.server.memory import release_free_memory
 from farm.server.storage import (
@@ -238,6 +237,9 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
     """The blob's reference outputs, computed in a child after the compile's child has ended
     (their memory peaks never add up); skipped, with the reason kept, when the model is too
     large for the compile memory limit or the run fails (a blob without one is still a blob)."""
+    # OpenVINO and numpy: loaded already where jobs run (the worker, the embedded submit).
+    from farm.server.jobs.reference import skip_reason
+
     if not limits.reference_outputs:
         return ReferenceFile(None, "no reference outputs: FARM_REFERENCE_OUTPUTS is off")
     too_large = skip_reason(model_row.size_bytes, limits.memory_bytes)

@@ -19,15 +19,15 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from farm import toolchain as host
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import CompilerUnavailable, Forbidden, ModelMissing, NotFound
+from farm.core.errors import Forbidden, ModelMissing, NotFound
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
 from farm.server import pagination, routing
+from farm.server.blobs.rebuild import retire_quarantined
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.dispatch import Dispatcher, dispatch
@@ -41,6 +41,8 @@ class Submission:
     outcome: Outcome
     cache_key: str
     job_id: int | None = None
+    reason: str | None = None
+    """Why an `unavailable` spec was not submitted."""
 
 
 def submit(
@@ -152,6 +154,7 @@ def submit_matrix(
     submitter: str | None = None,
     refuse_uncompilable: bool = False,
     reference_inputs: str | None = None,
+    rebuild: bool = False,
 ) -> MatrixSubmission:
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
@@ -161,18 +164,29 @@ def submit_matrix(
     created, at most once: a hit asks the store nothing. `upload_from`: the model's files on
     this host, uploaded when the store lacks them (the direct CLI); without it a new job whose
     files the store lacks raises ModelMissing (the API answers 409 and the client uploads).
-    `refuse_uncompilable`: the embedded CLI compiles on this host, so a new job for a target
-    this host cannot compile is refused (CompilerUnavailable) before anything is stored; the
-    embedded API records such a job, which then fails with the same reason.
+    `refuse_uncompilable`: an embedded farm (its CLI and its API) compiles on this host only,
+    so a spec that would need a new job for a target (or toolchain) this host cannot compile is
+    answered `unavailable` with the reason, and no job is recorded for it; the other specs of
+    the matrix go on (a hit stays a hit: nothing needs compiling).
     `reference_inputs`: the sha256 of the submitter's reference inputs, for every new job.
+    `rebuild`: first retire the specs' quarantined blobs (`blobs.rebuild`), those this farm
+    can compile again (an embedded farm never deletes a blob it could not replace).
     """
     submission_id = uuid.uuid4().hex
+    if rebuild:
+        compilable = [
+            spec
+            for spec in specs
+            if not (refuse_uncompilable and _cannot_compile_here(spec.target, toolchain))
+        ]
+        retire_quarantined(session, store, identity, compilable, toolchain)
     known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
     if refuse_uncompilable:
-        for spec, outcome in zip(specs, known, strict=True):
+        for index, (spec, outcome) in enumerate(zip(specs, known, strict=True)):
             reason = _cannot_compile_here(spec.target, toolchain) if outcome is None else None
             if reason:
-                raise CompilerUnavailable(reason)
+                key = key_for(identity, spec, toolchain)
+                known[index] = Submission("unavailable", key, reason=reason)
     results: list[tuple[CompileSpec, Submission]] = []
     to_send: list[tuple[int, str]] = []
     model: ModelInfo | None = None
@@ -211,6 +225,8 @@ def submit_matrix(
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:
     """Why this host cannot make the blob a submission for `toolchain` asks for, or None."""
+    from farm import toolchain as host  # OpenVINO: only to submit, never to list or show
+
     reason = host.unavailable_reason(target)
     if reason:
         return reason

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
-from farm.server.api.routes import blobs, health, jobs, models, workers
+from farm.server.api.routes import blobs, health, jobs, keys, models, workers
 
-ROUTERS = (health.router, models.router, jobs.router, blobs.router, workers.router)
+ROUTERS = (
+    health.router,
+    models.router,
+    jobs.router,
+    blobs.router,
+    keys.router,
+    workers.router,
+)

@@ -19,7 +19,6 @@ from farm.server.api.schemas import (
     SubmissionResult,
     Text,
 )
-from farm.server.blobs.rebuild import retire_quarantined
 from farm.server.context import FarmContext
 from farm.server.db.models import Job
 from farm.server.jobs import service
@@ -54,8 +53,6 @@ def submit(
     for spec in specs:
         toolchain.key_part(spec.target)  # a CPU spec needs runtime requirements: 422 here
     with farm.session() as session:
-        if body.rebuild:
-            retire_quarantined(session, farm.store, identity, specs, toolchain)
         submitted = service.submit_matrix(
             session,
             farm.store,
@@ -69,6 +66,8 @@ def submit(
             ),
             submitter=caller.name,
             reference_inputs=body.reference_inputs,
+            refuse_uncompilable=not farm.settings.served,
+            rebuild=body.rebuild,
         )
         return SubmissionResponse(
             submission_id=submitted.submission_id,
@@ -80,6 +79,7 @@ def submit(
                     job=_job_out(farm, session, service.get_job(session, outcome.job_id))
                     if outcome.job_id
                     else None,
+                    reason=outcome.reason,
                 )
                 for spec, outcome in submitted.results
             ],
