@@ -238,7 +238,7 @@ class Direct:
 
     def release(self, cache_key: str) -> dict[str, Any]:
         with self._session() as session:
-            return blob_dict(verifications.release(session, cache_key))
+            return blob_dict(verifications.release(session, cache_key, _operator()))
 
     def delete_blob(self, cache_key: str) -> None:
         with self._session() as session:

@@ -10,6 +10,7 @@ first one's reason. docs/architecture.md §14.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ from farm.core.tolerance import default_tolerance
 from farm.server.blobs.service import require, resolve
 from farm.server.db.models import Blob, Verification
 from farm.server.db.session import rows_changed
+
+log = logging.getLogger(__name__)
 
 REPORT_FIELDS = (
     "agent_id",
@@ -93,9 +96,12 @@ def quarantine(session: Session, cache_key: str, reason: str) -> Blob:
     return blob
 
 
-def release(session: Session, cache_key: str) -> Blob:
-    """Lift the quarantine (the verifications that caused it stay)."""
+def release(session: Session, cache_key: str, by: str = "an admin") -> Blob:
+    """Lift the quarantine (the verifications that caused it stay); logged with who and why it
+    was quarantined, since the row keeps no history of its quarantines."""
     blob = require(session, cache_key)
+    if blob.quarantined_at is not None:
+        log.warning("%s released blob %s (quarantined: %s)", by, cache_key, blob.quarantine_reason)
     session.execute(
         update(Blob).where(Blob.id == blob.id).values(quarantined_at=None, quarantine_reason=None)
     )

@@ -154,7 +154,7 @@ def delete_blob(cache_key: Sha256, farm: Farm, caller: AdminCaller) -> None:
 
 
 @router.post("/v1/blobs/{cache_key}/release", responses={404: {}})
-def release(cache_key: Sha256, farm: Farm, _: AdminCaller) -> BlobOut:
+def release(cache_key: Sha256, farm: Farm, caller: AdminCaller) -> BlobOut:
     """Lift a blob's quarantine (admin); its verifications stay."""
     with farm.session() as session:
-        return BlobOut(**blob_dict(verifications.release(session, cache_key)))
+        return BlobOut(**blob_dict(verifications.release(session, cache_key, caller.name)))
