@@ -21,7 +21,10 @@ or `touch` changes it (the ctime cannot be set by hand)."""
 
 
 def file_version(path: Path) -> FileVersion:
-    info = os.stat(path)
+    return version_of(os.stat(path))
+
+
+def version_of(info: os.stat_result) -> FileVersion:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 

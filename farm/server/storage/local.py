@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.hashing import sha256_file, sha256_stream
-from farm.core.identity import FileVersion
+from farm.core.identity import FileVersion, version_of
 from farm.server.storage import (
     BlobStore,
     ListsObjects,
@@ -69,12 +69,12 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
         try:
             with open(path, "rb") as source, os.fdopen(handle, "wb") as sink:
                 info = os.fstat(source.fileno())
-                before = _version(info)
+                before = version_of(info)
                 # Readable by whom the user's file is (a compile user can then link it into
                 # its box instead of copying it); writable by no one else.
                 os.fchmod(sink.fileno(), stat.S_IMODE(info.st_mode) & 0o444 | 0o600)
                 size = _copy(source.fileno(), sink.fileno())
-                after = _version(os.fstat(source.fileno()))
+                after = version_of(os.fstat(source.fileno()))
                 if before == after == version:
                     os.fsync(sink.fileno())
             if not before == after == version:  # written since it was hashed: read it again
@@ -191,10 +191,6 @@ def _start_writeback(descriptor: int) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-
-
-def _version(info: os.stat_result) -> FileVersion:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _copy(source: int, sink: int) -> int:
