@@ -24,6 +24,7 @@ BENCHMARKS = {
     "scaleout": "small-model jobs per hour with 1 and 2 worker processes (7.5)",
     "startup": "read-only commands' start: embedded before/after, and through the API (17.15)",
     "verify": "farm verify vs a plain import + one inference of the same blob (issue 16)",
+    "submit_overhead": "embedded submit of a 512 MB IR vs direct compile + one sha256 (17.16)",
 }
 
 

@@ -1,5 +1,10 @@
-"""A cache of file digests keyed by (path, size, mtime), so an unchanged 1 GB model is not
-hashed again on every submit. Edge-safe: standard library only."""
+"""A cache of file digests keyed by path and version (inode, size, mtime, ctime), so an
+unchanged 1 GB model is not hashed again on every submit. Edge-safe: standard library only.
+
+The ctime is what makes a hit trustworthy: a file rewritten and given its old mtime back
+(`touch -d`, `rsync -t`, `cp -p`) has a new ctime, which no one can set by hand. The embedded
+store relies on it: it copies a model file without hashing it again when the file still has the
+version its digest was taken at."""
 
 from __future__ import annotations
 
@@ -25,14 +30,20 @@ class DigestCache:
         stat = file.stat()
         key = str(file.resolve())
         entry = self.entries.get(key)
-        if entry and entry["size"] == stat.st_size and entry["mtime_ns"] == stat.st_mtime_ns:
+        version = {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "ctime_ns": stat.st_ctime_ns,
+            "inode": stat.st_ino,
+        }
+        if entry and all(entry.get(field) == value for field, value in version.items()):
             if progress:
                 progress(stat.st_size)
             return entry["sha256"]
         digest = sha256_file(file, progress)
         # A file still being written could change after we read it: its mtime would then
         # differ from the one we record, and the next lookup hashes it again.
-        self.entries[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self.entries[key] = {**version, "sha256": digest}
         self._save()
         return digest
 

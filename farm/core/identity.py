@@ -6,14 +6,26 @@ database, broker or storage client installed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from farm.core import hashing
 from farm.core.spec import CompileSpec, Toolchain
 
 Digest = Callable[[Path, Callable[[int], None] | None], str]
+FileVersion = tuple[int, int, int, int, int]
+"""(device, inode, size, mtime ns, ctime ns) of a file: any write, truncation, rename over it
+or `touch` changes it (the ctime cannot be set by hand)."""
+
+
+def file_version(path: Path) -> FileVersion:
+    return version_of(os.stat(path))
+
+
+def version_of(info: os.stat_result) -> FileVersion:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,9 @@ class ModelRef:
     files: dict[str, Path]
     identity: dict[str, str]
     name: str
+    versions: dict[str, FileVersion] = field(default_factory=dict, compare=False)
+    """Each file's `file_version` taken before its digest: while a file still has it, its bytes
+    are the ones the digest names (the embedded store copies it without hashing it again)."""
 
     @classmethod
     def from_path(
@@ -42,10 +57,11 @@ class ModelRef:
     ) -> ModelRef:
         """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
         files = hashing.model_files(path)
+        versions = {role: file_version(file) for role, file in files.items()}
         identity = {role: digests(file, progress) for role, file in sorted(files.items())}
         # The name is only a label; one that is not UTF-8 keeps its readable part.
         name = Path(path).name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        return cls(files, identity, name)
+        return cls(files, identity, name, versions)
 
     @property
     def size_bytes(self) -> int:

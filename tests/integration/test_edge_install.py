@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,7 @@ from sqlalchemy import select
 from farm.server.db.models import Pull
 from tests import models
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("celery", "sqlalchemy", "boto3", "fastapi", "uvicorn", "psycopg", "alembic")
-
-
-@pytest.fixture(scope="module")
-def edge_venv(tmp_path_factory) -> Path:
-    venv = tmp_path_factory.mktemp("edge") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    installed = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", f"{ROOT}[edge]"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert installed.returncode == 0, installed.stderr[-3000:]
-    return venv
 
 
 def test_the_edge_install_has_no_server_packages(edge_venv):

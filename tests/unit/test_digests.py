@@ -1,4 +1,5 @@
-"""The client's digest cache: keyed by (path, size, mtime), persisted as JSON, never fatal."""
+"""The client's digest cache: keyed by path and version (inode, size, mtime, ctime), persisted
+as JSON, never fatal."""
 
 from __future__ import annotations
 
@@ -27,18 +28,29 @@ def test_an_unchanged_file_is_a_hit_across_instances(tmp_path):
     write(model, b"weights-1", mtime_ns=MTIME_NS)
     assert DigestCache(cache_file).sha256(model) == sha256(b"weights-1")
     entry = json.loads(cache_file.read_text())[str(model.resolve())]
+    info = model.stat()
     assert entry == {
         "size": 9,
         "mtime_ns": 1_700_000_000_000_000_000,
+        "ctime_ns": info.st_ctime_ns,
+        "inode": info.st_ino,
         "sha256": sha256(b"weights-1"),
     }
-
-    # Same size and mtime: the file is not read again, so even other bytes give the old
-    # digest. That is the cache's contract (and why both size and mtime are in the key).
-    write(model, b"weights-2", mtime_ns=MTIME_NS)
     seen: list[int] = []
     assert DigestCache(cache_file).sha256(model, seen.append) == sha256(b"weights-1")
     assert seen == [9]  # progress still reports the whole file on a hit
+
+
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_hashed_again(tmp_path):
+    """`touch -d`, `rsync -t` or `cp -p` give a rewritten file its old mtime back; its ctime,
+    which no one can set, still moves (the embedded store trusts a hit to copy it unhashed)."""
+    model, cache_file = tmp_path / "m.bin", tmp_path / "digests.json"
+    write(model, b"weights-1", mtime_ns=MTIME_NS)
+    assert DigestCache(cache_file).sha256(model) == sha256(b"weights-1")
+    before = model.stat().st_ctime_ns
+    while model.stat().st_ctime_ns == before:  # a coarse clock could give the same ctime
+        write(model, b"weights-2", mtime_ns=MTIME_NS)
+    assert DigestCache(cache_file).sha256(model) == sha256(b"weights-2")
 
 
 def test_a_change_of_size_or_mtime_hashes_again(tmp_path):

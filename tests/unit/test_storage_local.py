@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
+from farm.core.identity import file_version
 from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, open_store
 from farm.server.storage.local import LocalStore
 
@@ -67,3 +69,68 @@ def test_open_store_picks_the_class_by_scheme(tmp_path):
     assert isinstance(open_store(f"file://{tmp_path}"), LocalStore)
     with pytest.raises(StorageError, match="known: file"):
         open_store("ftp://host/x")
+
+
+# --- the embedded submit's fast paths: a model copied by the kernel, a blob moved in -----------
+
+
+def digest_of(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_model_stored_by_version_is_a_copy_that_a_later_edit_leaves_alone(store, source):
+    digest, version = digest_of(source), file_version(source)
+    original = source.read_bytes()
+    stored = store.put_version(f"models/{digest}", source, digest, version)
+    assert (stored.size, stored.sha256) == (len(original), digest)
+    kept = store.local_path(f"models/{digest}")
+    assert kept.stat().st_ino != source.stat().st_ino  # not a hard link to the user's file
+    with open(source, "r+b") as edit:  # saved again in place, as ov.save_model does
+        edit.write(b"EDITED")
+    source.unlink()
+    assert kept.read_bytes() == original
+    assert leftovers(store) == [digest]
+
+
+def test_a_model_written_after_it_was_hashed_is_hashed_again_and_refused(store, source):
+    digest, version = digest_of(source), file_version(source)
+    with open(source, "r+b") as edit:
+        edit.write(b"changed after hashing")
+    with pytest.raises(ChecksumMismatch):
+        store.put_version(f"models/{digest}", source, digest, version)
+    assert leftovers(store) == []
+
+
+def test_a_model_touched_but_unchanged_after_hashing_is_stored(store, source):
+    digest, version = digest_of(source), file_version(source)
+    os.utime(source, ns=(1, 1))  # a new version, the same bytes: verified by hashing them
+    assert store.put_version(f"models/{digest}", source, digest, version).sha256 == digest
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+
+
+def test_a_blob_of_its_own_is_moved_in_and_hashed_once(store, source):
+    digest, inode = digest_of(source), source.stat().st_ino
+    stored = store.adopt_file("blobs/k.blob", source)
+    assert (stored.size, stored.sha256) == (store.local_path("blobs/k.blob").stat().st_size, digest)
+    assert not source.exists()
+    assert store.local_path("blobs/k.blob").stat().st_ino == inode  # moved, not copied
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_a_blob_with_a_second_name_is_copied_so_that_name_cannot_change_it(store, source):
+    other_name = source.with_name("other-name.bin")
+    os.link(source, other_name)
+    original = source.read_bytes()
+    stored = store.adopt_file("blobs/k.blob", source)
+    assert stored.sha256 == hashlib.sha256(original).hexdigest()
+    with open(other_name, "r+b") as edit:
+        edit.write(b"tampered")
+    assert store.local_path("blobs/k.blob").read_bytes() == original
+
+
+def test_a_link_is_not_adopted(store, source, tmp_path):
+    link = tmp_path / "link.blob"
+    link.symlink_to(source)
+    with pytest.raises(OSError):
+        store.adopt_file("blobs/k.blob", link)
+    assert leftovers(store) == [] and source.exists()

@@ -213,7 +213,8 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         return lambda session: _finish(
             session, job, JobState.FAILED, error=message, log_text=log_text
         )
-    stored = store.put_file(blob_storage_key(job.cache_key), result.blob_path)
+    # The blob file is ours to give: a local store moves it in (one read, to hash it).
+    stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
     stored_reference = None
     if reference.path is not None:
         digest = sha256_file(reference.path)

@@ -124,11 +124,16 @@ def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:
 
 
 def upload_model_files(store: BlobStore, model: ModelRef, only: Iterable[str] | None = None):
-    """Upload the model's files (those in `only`, or all), each verified against its digest."""
+    """Upload the model's files (those in `only`, or all), each verified against its digest
+    (or, where the store copies without reading, against the version it was hashed at)."""
     wanted = set(model.identity.values()) if only is None else set(only)
     for role, path in model.files.items():
         sha = model.identity[role]
-        if sha in wanted:
+        if sha not in wanted:
+            continue
+        if role in model.versions:
+            store.put_version(model_storage_key(sha), path, sha, model.versions[role])
+        else:
             store.put_file(model_storage_key(sha), path, expected_sha256=sha)
 
 

@@ -18,6 +18,7 @@ from farm.core.errors import ChecksumMismatch, InvalidKey, StorageError
 
 if TYPE_CHECKING:
     from farm.core.config import Settings
+    from farm.core.identity import FileVersion
 
 
 def model_storage_key(sha256: str) -> str:
@@ -130,6 +131,20 @@ class BlobStore(abc.ABC):
             while chunk := source.read(writer.chunk_bytes):
                 writer.write(chunk)
             return writer.commit()
+
+    def put_version(
+        self, key: str, path: str | Path, sha256: str, version: FileVersion
+    ) -> StoredObject:
+        """Store the file at `path`, whose bytes had digest `sha256` while the file had
+        `version` (`farm.core.identity.file_version`, taken before the digest). A store that
+        copies without reading the bytes (a local folder) checks the version instead of
+        hashing them again; the others hash them on the way, as `put_file`."""
+        return self.put_file(key, path, expected_sha256=sha256)
+
+    def adopt_file(self, key: str, path: str | Path) -> StoredObject:
+        """Store the file at `path` under `key`; the caller gives the file up (a local store
+        moves it into place instead of copying it)."""
+        return self.put_file(key, path)
 
     @abc.abstractmethod
     def get_file(self, key: str, dest: str | Path) -> None:

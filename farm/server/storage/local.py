@@ -3,19 +3,37 @@
 Note: for one machine only; several hosts need S3 (`farm.storage.s3`). Objects are written to a
 temporary file in the same folder, flushed, then renamed into place, so a reader never sees a
 half-written object and a crash leaves at most a `.partial` file behind.
+
+The embedded `farm submit` puts a model into this store right after hashing it, and its blob
+right after OpenVINO wrote it; neither is read twice (`put_version`, `adopt_file`):
+
+- A model file is *copied*, by the kernel (`copy_file_range`: a reflink on file systems that
+  share extents, such as XFS and Btrfs; an in-kernel copy elsewhere), never hard-linked: a link
+  shares the user's inode, so saving the model again in place (`ov.save_model` truncates and
+  rewrites the same file) would change the stored object under its digest. Instead of hashing
+  the copy, it checks that the source kept the version (inode, size, mtime, ctime) it had
+  before it was hashed: a write during the copy changes it, and then the copy is hashed after
+  all (and refused if its bytes changed).
+- A blob is *moved*: the file is the farm's own, hashed once (the row records its sha256),
+  flushed, and renamed into place.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import stat
 import tempfile
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
-from farm.core.hashing import sha256_file
+from farm.core.hashing import sha256_file, sha256_stream
+from farm.core.identity import FileVersion, version_of
 from farm.server.storage import (
     BlobStore,
     ListsObjects,
@@ -41,6 +59,66 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
 
     def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
         return _LocalWriter(self._path(key), key, expected_sha256)
+
+    def put_version(
+        self, key: str, path: str | Path, sha256: str, version: FileVersion
+    ) -> StoredObject:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".partial")
+        try:
+            with open(path, "rb") as source, os.fdopen(handle, "wb") as sink:
+                info = os.fstat(source.fileno())
+                before = version_of(info)
+                # Readable by whom the user's file is (a compile user can then link it into
+                # its box instead of copying it); writable by no one else.
+                os.fchmod(sink.fileno(), stat.S_IMODE(info.st_mode) & 0o444 | 0o600)
+                size = _copy(source.fileno(), sink.fileno())
+                after = version_of(os.fstat(source.fileno()))
+                if before == after == version:
+                    os.fsync(sink.fileno())
+            if not before == after == version:  # written since it was hashed: read it again
+                os.unlink(temporary)
+                return self.put_file(key, path, expected_sha256=sha256)
+            os.replace(temporary, target)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+        return StoredObject(key, size, sha256)
+
+    def adopt_file(self, key: str, path: str | Path) -> StoredObject:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        temporary = _partial_name(target)
+        try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):
+                raise StorageError(f"{path} is not a regular file; not stored")
+            # A file another user (the compile user) owns could still be written by a process
+            # of theirs holding it open; one with a second name, through that name: copied.
+            if not (info.st_uid == os.geteuid() and info.st_nlink == 1 and _moved(path, temporary)):
+                with open(temporary, "xb") as sink:
+                    _copy(descriptor, sink.fileno())
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(descriptor)
+        return self._commit_own(key, temporary, target)
+
+    def _commit_own(self, key: str, temporary: Path, target: Path) -> StoredObject:
+        """Hash, flush and rename into place a partial file no one else can write."""
+        try:
+            with open(temporary, "rb", buffering=0) as partial:
+                _start_writeback(partial.fileno())  # the disk writes while we hash
+                sha256 = sha256_stream(partial)
+                os.fchmod(partial.fileno(), 0o600)
+                os.fsync(partial.fileno())
+                size = os.fstat(partial.fileno()).st_size
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return StoredObject(key, size, sha256)
 
     def get_file(self, key: str, dest: str | Path) -> None:
         with self.open_read(key) as source, open(dest, "wb") as sink:
@@ -81,6 +159,61 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             raise StorageError(
                 f"cannot use {self.root} as store (FARM_STORAGE_URL): {error}"
             ) from error
+
+
+def _partial_name(target: Path) -> Path:
+    """A fresh name for a partial file beside `target` (what `_LocalWriter` writes too)."""
+    return target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+
+
+def _moved(path: str | Path, temporary: Path) -> bool:
+    """Rename `path` to `temporary`; False when they are on different file systems."""
+    try:
+        os.replace(path, temporary)
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+        return False
+    return True
+
+
+def _start_writeback(descriptor: int) -> None:
+    """Ask Linux to start writing the file's dirty pages now, without waiting for them
+    (sync_file_range, SYNC_FILE_RANGE_WRITE), so the fsync that follows finds them written;
+    elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = libc.sync_file_range
+    except (OSError, AttributeError):
+        return
+    start.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    start(descriptor, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _copy(source: int, sink: int) -> int:
+    """Copy the whole file `source` to `sink` in the kernel; returns the bytes copied."""
+    copied = 0
+    try:
+        while count := os.copy_file_range(source, sink, 1 << 30):
+            copied += count
+    except OSError as error:
+        # No copy_file_range here (old kernel, another file system, a FUSE mount): read/write.
+        if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        os.lseek(source, 0, os.SEEK_SET)
+        os.lseek(sink, 0, os.SEEK_SET)
+        os.ftruncate(sink, 0)
+        with open(source, "rb", closefd=False) as reader, open(sink, "wb", closefd=False) as out:
+            shutil.copyfileobj(reader, out, CHUNK_BYTES)
+        copied = os.fstat(sink).st_size
+    return copied
+
+
+def _owned_alone(info: os.stat_result) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1
 
 
 class _LocalWriter(ObjectWriter):

@@ -1,0 +1,199 @@
+"""Embedded `farm submit` of a 512 MB IR against what it cannot avoid (issue 17, item 16):
+OpenVINO's own compile writing the blob through its cache, and one sha256 pass over the model
+files (the cache key needs it).
+
+Each run, interleaved and alternating which goes first:
+- farm: a `farm submit MODEL --device CPU` process on an embedded farm that exists (its
+  database migrated, `farm db upgrade`, once: a copy of it each run) but has never seen the
+  model (an empty store and digest cache), so it hashes, stores the model, compiles in its
+  child, stores the blob and records it: the whole command as a user waits for it;
+- baseline: a fresh Python process that imports OpenVINO and calls `compile_model(xml, "CPU",
+  {CACHE_DIR: empty folder})`, wall time of the process (interpreter, import, read, compile,
+  blob write), plus one `sha256_file` pass over the `.xml` and `.bin` in this process.
+
+One more run of the farm side under cProfile gives the phases (`profile`): where the rest of
+the time goes.
+
+Target: farm <= 1.3 x (direct compile + one sha256 pass) + 0.5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import pstats
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from farm.core.hashing import model_files, sha256_file
+
+from .common import (
+    RUNS,
+    build_large_model,
+    child_env,
+    comparison,
+    log,
+    scratch,
+    stats,
+    target,
+    write_result,
+)
+
+NAME = "submit_overhead"
+MODEL_MB = 512
+FARM = Path(sys.executable).with_name("farm")
+DIRECT_COMPILE = """
+import sys, time
+import openvino as ov
+started = time.perf_counter()
+ov.Core().compile_model(sys.argv[1], "CPU", {"CACHE_DIR": sys.argv[2]})
+print(time.perf_counter() - started)
+"""
+PHASES = {
+    "startup (imports, settings, database)": ("farm/cli/backends/__init__.py", "open_backend"),
+    "hash the model files": ("farm/core/identity.py", "from_path"),
+    "store the model files": ("farm/server/jobs/service.py", "upload_model_files"),
+    "compile child (start, compile, blob write)": (
+        "farm/server/jobs/sandbox.py",
+        "compile_in_child",
+    ),
+    "store the blob (hash, flush, move)": ("farm/server/storage/local.py", "adopt_file"),
+    "whole command": ("farm/cli/jobs.py", "submit"),
+}
+
+
+def embedded_env(home: Path) -> dict[str, str]:
+    env = child_env({"FARM_HOME": str(home / "farm"), "FARM_CACHE_DIR": str(home / "cache")})
+    for variable in ("FARM_API_URL", "FARM_BROKER_URL", "FARM_DATABASE_URL", "FARM_STORAGE_URL"):
+        env.pop(variable, None)
+    return env
+
+
+def migrated_farm(template: Path) -> Path:
+    """An embedded farm with its database at the schema's head and nothing in it."""
+    subprocess.run([str(FARM), "db", "upgrade"], env=embedded_env(template), check=True)
+    return template
+
+
+def farm_submit(xml: Path, home: Path, template: Path, profile: Path | None = None) -> float:
+    """Wall seconds of one embedded `farm submit` of a model that farm has never seen."""
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(template, home)
+    env = embedded_env(home)
+    command = [str(FARM), "submit", str(xml), "--device", "CPU", "--json"]
+    if profile is not None:
+        command = [sys.executable, "-m", "cProfile", "-o", str(profile), *command]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"farm submit failed ({result.returncode}): {result.stderr[-3000:]}")
+    job = json.loads(result.stdout)["job"]
+    assert job["state"] == "succeeded", job
+    shutil.rmtree(home, ignore_errors=True)
+    return elapsed
+
+
+def direct_compile(xml: Path, cache_dir: Path) -> tuple[float, float]:
+    """(process wall seconds, compile_model seconds inside it) of the direct compile."""
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", DIRECT_COMPILE, str(xml), str(cache_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    elapsed = time.perf_counter() - started
+    blobs = list(cache_dir.glob("*.blob"))
+    assert len(blobs) == 1 and blobs[0].stat().st_size > MODEL_MB * 2**20 // 2, blobs
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return elapsed, float(result.stdout.strip())
+
+
+def hash_pass(xml: Path) -> float:
+    started = time.perf_counter()
+    for file in model_files(xml).values():
+        sha256_file(file)
+    return time.perf_counter() - started
+
+
+def phases(profile: Path) -> dict[str, float]:
+    """Cumulative seconds of the submit's phases in one profiled run."""
+    found = {}
+    for (file, _line, function), row in pstats.Stats(str(profile)).stats.items():  # type: ignore[attr-defined]
+        for phase, (suffix, name) in PHASES.items():
+            if function == name and file.endswith(suffix):
+                found[phase] = found.get(phase, 0.0) + row[3]
+    return {phase: round(found.get(phase, 0.0), 3) for phase in PHASES}
+
+
+def main() -> dict:
+    with scratch(NAME) as root:
+        log(f"building a {MODEL_MB} MB IR")
+        xml = build_large_model(root / "model", MODEL_MB)
+        model_bytes = sum(f.stat().st_size for f in model_files(xml).values())
+        hash_pass(xml)  # both sides then start with the model in the page cache
+        template = migrated_farm(root / "template")
+        farm_runs, process_runs, compile_runs, hash_runs = [], [], [], []
+        for run in range(RUNS):
+            order = ["farm", "direct"] if run % 2 == 0 else ["direct", "farm"]
+            for side in order:
+                if side == "farm":
+                    farm_runs.append(farm_submit(xml, root / "home", template))
+                else:
+                    process, compiled = direct_compile(xml, root / "ov-cache")
+                    process_runs.append(process)
+                    compile_runs.append(compiled)
+                    hash_runs.append(hash_pass(xml))
+            log(
+                f"run {run + 1}/{RUNS}: farm submit {farm_runs[-1]:.2f} s, direct compile "
+                f"process {process_runs[-1]:.2f} s (compile_model {compile_runs[-1]:.2f} s), "
+                f"sha256 {hash_runs[-1]:.2f} s"
+            )
+        profile = root / "submit.prof"
+        farm_submit(xml, root / "home", template, profile)
+        profiled = phases(profile)
+    farm = stats(farm_runs)
+    process = stats(process_runs)
+    hashing = stats(hash_runs)
+    floor = [p + h for p, h in zip(process_runs, hash_runs, strict=True)]
+    floor_median = stats(floor)["median"]
+    limit = 1.3 * floor_median + 0.5
+    return {
+        "title": f"{MODEL_MB} MB IR on CPU, embedded farm ({model_bytes} bytes of model files)",
+        "model_bytes": model_bytes,
+        "farm_submit_seconds": farm,
+        "direct_compile_process_seconds": process,
+        "direct_compile_model_seconds": stats(compile_runs),
+        "sha256_pass_seconds": hashing,
+        "profile_seconds": profiled,
+        "notes": (
+            "profile_seconds: one more farm run under cProfile (slower than the timed runs), "
+            "cumulative seconds of each phase."
+        ),
+        "comparisons": [
+            comparison(
+                "embedded `farm submit`, whole process, s",
+                "direct compile process + one sha256 pass",
+                floor_median,
+                farm["median"],
+                "s",
+            ),
+        ],
+        "targets": [
+            target(
+                "embedded submit <= 1.3 x (direct compile + one sha256 pass) + 0.5 s",
+                farm["median"],
+                limit,
+                unit="s",
+            )
+        ],
+    }
+
+
+if __name__ == "__main__":
+    write_result(NAME, main())
