@@ -156,7 +156,12 @@ def add_job(farm: FarmContext, model_id: int, n: int | str, **fields: Any) -> in
 
 
 def add_blob(
-    farm: FarmContext, model_id: int, cache_key: str, *, created_at: datetime | None = None
+    farm: FarmContext,
+    model_id: int,
+    cache_key: str,
+    *,
+    created_at: datetime | None = None,
+    target: str = "CPU",
 ) -> Blob:
     """A stored blob: its object in the local store and its row."""
     data = f"blob {cache_key}".encode()
@@ -168,7 +173,7 @@ def add_blob(
         blob = Blob(
             cache_key=cache_key,
             model_id=model_id,
-            target="CPU",
+            target=target,
             spec=cpu_spec().canonical(),
             toolchain=TOOLCHAIN.as_dict(),
             openvino_version=TOOLCHAIN.openvino,

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from farm.core.clock import now
-from farm.core.errors import CompilerUnavailable, ModelMissing
+from farm.core.errors import ChecksumMismatch, CompilerUnavailable, ModelMissing
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.context import FarmContext
@@ -290,6 +290,19 @@ def test_with_upload_from_only_the_missing_files_are_uploaded(embedded_farm, stu
     for role, path in ref.files.items():
         stored = embedded_farm.store.local_path(model_storage_key(ref.identity[role]))
         assert stored.read_bytes() == path.read_bytes()
+
+
+def test_uploaded_model_files_are_checked_against_their_digests(embedded_farm, stub, ref):
+    """A file that changed on disk after it was hashed (rewritten while `farm submit` ran) is
+    refused: stored under its old digest, it would be compiled as a model it is not."""
+    ref.files["bin"].write_bytes(b"weights rewritten after hashing")
+    with pytest.raises(ChecksumMismatch) as raised:
+        submit(embedded_farm, stub, ref, [CPU])
+    bin_key = model_storage_key(ref.identity["bin"])
+    assert str(raised.value).startswith(f"{bin_key}: the bytes have sha256 ")
+    assert str(raised.value).endswith(f"expected {ref.identity['bin']}; nothing stored")
+    assert ref.identity["bin"] not in stored_models(embedded_farm)
+    assert (job_ids(embedded_farm), stub.sent) == ([], [])
 
 
 def test_a_hit_needs_no_model_files(embedded_farm, stub, ref):
