@@ -275,6 +275,18 @@ def test_a_header_without_a_payload_is_refused(header, size):
         blobformat.parse_header(header + b"\0" * (size - len(header)), size, "x")
 
 
+def test_a_blob_file_without_a_payload_is_refused_by_its_path(tmp_path):
+    path = tmp_path / "cut.blob"
+    path.write_bytes(NPU_HEADER + b"\0" * (4096 - len(NPU_HEADER)))
+    with pytest.raises(BlobFormatError) as raised:
+        blobformat.read_header(path)
+    assert str(raised.value) == f"{path}: blob has a header but no payload (4096 bytes)"
+    path.write_bytes(PAYLOAD)
+    with pytest.raises(BlobFormatError) as raised:
+        blobformat.read_header(path)
+    assert str(raised.value) == f"{path}: not an OpenVINO compiled blob (no cache header)"
+
+
 def test_one_byte_of_payload_is_enough():
     assert blobformat.parse_header(NPU_HEADER, 4097, "x").payload_offset == 4096
 

@@ -4,6 +4,7 @@ is missing or old, except the embedded farm's. Every branch, with the exact ids 
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ from sqlalchemy import select
 from farm.core.clock import now
 from farm.server.db.models import Job
 from farm.server.db.session import upgrade_database
+from farm.server.jobs import reconcile as reconcile_module
 from farm.server.jobs.reconcile import ReconcileReport, reconcile
 from farm.server.storage import AbortsStaleUploads
 from farm.server.storage.local import LocalStore
@@ -180,10 +182,53 @@ def test_the_local_store_has_no_uploads_to_abort(served_farm, model_id, stub):
 
 def test_a_cancel_requested_job_whose_worker_died_ends_cancelled(served_farm, model_id, stub):
     job_id = add_job(served_farm, model_id, 1, **running(ago(seconds=1), cancel_requested=True))
+    # Listed after the cancelled one: ending a cancelled job does not end the pass.
+    expired = add_job(served_farm, model_id, 2, **running(ago(seconds=1)))
+    at = now()
     report = run(served_farm, stub)
-    assert report == ReconcileReport(cancelled=[job_id])
-    assert stub.sent == []
-    assert get_job(served_farm, job_id).state == "cancelled"
+    assert report == ReconcileReport(cancelled=[job_id], taken_back=[expired], resent=[expired])
+    assert stub.sent == [(expired, "compile.cpu")]
+    job = get_job(served_farm, job_id)
+    assert (job.state, job.error, job.lease_expires_at) == (
+        "cancelled",
+        "cancelled while running",
+        None,
+    )
+    assert job.finished_at >= at
+
+
+def test_taking_a_job_back_is_logged_with_its_worker(served_farm, model_id, stub, caplog):
+    job_id = add_job(served_farm, model_id, 1, **running(ago(seconds=1)))
+    with caplog.at_level(logging.WARNING, logger="farm.server.jobs.reconcile"):
+        run(served_farm, stub)
+    assert caplog.messages == [f"job {job_id}: lease of w1 expired; taking it back"]
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+    """The reconciler's clock stopped at one instant: the limits' boundaries are exact."""
+    at = now()
+    monkeypatch.setattr(reconcile_module, "now", lambda: at)
+    return at
+
+
+def test_a_lease_ending_at_this_instant_is_still_live(served_farm, model_id, stub, frozen):
+    """Past means strictly before now: a worker that renewed to exactly now keeps its job, as
+    does one on its last attempt."""
+    job_ids = [
+        add_job(served_farm, model_id, 1, **running(frozen)),
+        add_job(served_farm, model_id, 2, **running(frozen, attempts=3)),
+    ]
+    before = {job_id: columns(served_farm, job_id) for job_id in job_ids}
+    assert run(served_farm, stub) == ReconcileReport()
+    assert {job_id: columns(served_farm, job_id) for job_id in job_ids} == before
+
+
+def test_a_job_queued_exactly_the_maximum_wait_may_still_start(served_farm, model_id, stub, frozen):
+    wait = timedelta(seconds=served_farm.settings.max_queue_seconds)
+    job_id = add_job(served_farm, model_id, 1, created_at=frozen - wait, sent_at=frozen)
+    assert run(served_farm, stub) == ReconcileReport()
+    assert get_job(served_farm, job_id).state == "queued"
 
 
 def test_a_running_job_older_than_the_queue_limit_is_left_to_run(served_farm, model_id, stub):
@@ -239,7 +284,16 @@ def test_each_rule_touches_only_its_own_jobs(served_farm, model_id, stub):
     cancelled = add_job(served_farm, model_id, 5, **running(ago(seconds=1), cancel_requested=True))
     live = add_job(served_farm, model_id, 6, **running(now() + timedelta(seconds=60)))
     recent = add_job(served_farm, model_id, 7, sent_at=ago(seconds=resend - 10))
-    done = add_job(served_farm, model_id, 8, state="succeeded", attempts=1, finished_at=now())
+    # Finished, with the lease its worker never cleared: it is not running, nothing to take back.
+    done = add_job(
+        served_farm,
+        model_id,
+        8,
+        state="succeeded",
+        attempts=1,
+        finished_at=now(),
+        lease_expires_at=ago(seconds=1),
+    )
     untouched = {job_id: columns(served_farm, job_id) for job_id in (live, recent, done)}
     report = run(served_farm, stub)
     assert (sorted(report.failed), report.taken_back, report.cancelled) == (

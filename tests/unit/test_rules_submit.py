@@ -5,6 +5,7 @@ new job needs it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -303,6 +304,23 @@ def test_uploaded_model_files_are_checked_against_their_digests(embedded_farm, s
     assert str(raised.value).endswith(f"expected {ref.identity['bin']}; nothing stored")
     assert ref.identity["bin"] not in stored_models(embedded_farm)
     assert (job_ids(embedded_farm), stub.sent) == ([], [])
+
+
+def test_upload_model_files_uploads_every_file_unless_told_which(embedded_farm, ref):
+    service.upload_model_files(embedded_farm.store, ref, [ref.identity["xml"]])
+    assert stored_models(embedded_farm) == [ref.identity["xml"]]
+    service.upload_model_files(embedded_farm.store, ref)
+    assert stored_models(embedded_farm) == sorted(ref.identity.values())
+
+
+def test_each_matrix_has_its_own_submission_id(embedded_farm, stub, ref):
+    first = submit(embedded_farm, stub, ref, [CPU])
+    second = submit(embedded_farm, stub, ref, [CPU_B2])
+    assert re.fullmatch(r"[0-9a-f]{32}", first.submission_id)
+    assert first.submission_id != second.submission_id
+    assert get_job(embedded_farm, second.results[0][1].job_id).submission_id == (
+        second.submission_id
+    )
 
 
 def test_a_hit_needs_no_model_files(embedded_farm, stub, ref):
