@@ -19,6 +19,8 @@ from farm.core.errors import (
     SignatureError,
     SpecError,
 )
+from farm.core.hashing import sha256_file
+from farm.core.identity import ModelRef
 from farm.core.signing import (
     Manifest,
     Signer,
@@ -221,3 +223,35 @@ def test_a_toolchain_record_has_every_field():
         "npu_compiler": "7.4.0",
         "runtime_requirements": "rr",
     }
+
+
+def test_only_a_v1_signature_is_refused_with_the_way_out():
+    v1 = SIGNER.sign(KEY, RECORD["sha256"])
+    assert refused(lambda: TRUSTED.verify_manifest(MANIFEST, SIGNER_ID, None, v1)) == (
+        f"blob {KEY} carries only a v1 signature, over its cache key and sha256, which leaves "
+        "its target, toolchain, size and model digests unsigned; refusing it. The farm's "
+        "operator signs its manifest with `farm keys resign`"
+    )
+    assert refused(lambda: TRUSTED.verify(KEY, "2" * 64, SIGNER_ID, v1)) == (
+        f"blob {KEY} has an invalid signature from key {SIGNER_ID}; refusing it"
+    )
+
+
+# --- model references ------------------------------------------------------------------------
+
+
+def test_a_model_ref_reads_its_files_once_and_keeps_its_name(tmp_path):
+    xml, weights = tmp_path / "net.xml", tmp_path / "net.bin"
+    xml.write_bytes(b"<net/>")
+    weights.write_bytes(b"w" * 100)
+    read: list[int] = []
+    ref = ModelRef.from_path(xml, read.append)
+    assert (ref.files, ref.name, sum(read)) == ({"xml": xml, "bin": weights}, "net.xml", 106)
+    assert ref.identity == {"bin": sha256_file(weights), "xml": sha256_file(xml)}
+
+
+def test_a_file_name_that_is_not_utf8_keeps_its_readable_part(tmp_path):
+    xml = tmp_path / os.fsdecode(b"caf\xe9.xml")
+    xml.write_bytes(b"<net/>")
+    xml.with_suffix(".bin").write_bytes(b"w")
+    assert ModelRef.from_path(xml).name == "caf\ufffd.xml"

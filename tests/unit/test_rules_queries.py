@@ -9,9 +9,10 @@ import pytest
 from farm.core.clock import now
 from farm.core.errors import NotFound
 from farm.server.db.models import Job, Model
+from farm.server.db.session import upgrade_database
 from farm.server.jobs import service
 from farm.server.jobs.service import latest_job_for_key, list_jobs
-from tests.unit.conftest import add_job, add_model, key
+from tests.unit.conftest import add_job, add_model, close_farm, key, open_farm
 
 
 @pytest.fixture
@@ -116,3 +117,24 @@ def test_at_most_fifty_jobs_are_listed_by_default(embedded_farm):
         session.commit()
         listed = ids(list_jobs(session))
     assert len(listed) == 50 and listed == sorted(listed, reverse=True)
+
+
+@pytest.mark.postgres
+def test_a_naive_since_is_utc_whatever_the_database_session_time_zone(
+    tmp_path, monkeypatch, postgres_url
+):
+    """PostgreSQL reads a naive timestamp in the session's TimeZone: `list_jobs` must not
+    hand it one (here the session is UTC-8, so a naive "two hours ago" would be in the future)."""
+    upgrade_database(postgres_url)
+    farm = open_farm(
+        tmp_path / "farm",
+        monkeypatch,
+        database_url=f"{postgres_url}?options=-c%20TimeZone%3DEtc/GMT%2B8",
+    )
+    try:
+        job_id = add_job(farm, add_model(farm), 1)
+        since = (now() - timedelta(hours=2)).replace(tzinfo=None)
+        with farm.session() as session:
+            assert ids(list_jobs(session, since=since)) == [job_id]
+    finally:
+        close_farm(farm)
