@@ -7,8 +7,9 @@ surviving mutant that tests/mutation/survivors.md does not review. Exit 1 when a
 under its target or a survivor is unreviewed: a survivor is a test to write, or a mutant shown
 equivalent or harmless in that file.
 
-The score is killed / reachable: a mutant no unit test reaches ("no tests": the code only runs
-against real services, in the integration tests) is reported apart, not counted either way.
+The score is killed / reachable. Left out and counted apart: a mutant no unit test reaches
+("no tests": that code runs only against real services, in the integration tests) and one a
+stopped run did not check ("not checked").
 A mutant that breaks a test module's import stops pytest with exit code 2 (a collection error),
 which mutmut calls "interrupted": here it is killed, since the tests did notice it.
 """
@@ -60,13 +61,14 @@ def read(root: Path) -> dict[str, dict[str, str]]:
 
 def score(counts: Counter) -> dict[str, Any]:
     killed = counts["killed"] + counts["timeout"]
-    reachable = sum(counts.values()) - counts["no tests"]
+    reachable = sum(counts.values()) - counts["no tests"] - counts["not checked"]
     return {
         "mutants": sum(counts.values()),
         "reachable": reachable,
         "killed": killed,
         "survived": counts["survived"],
         "no_tests": counts["no tests"],
+        "not_checked": counts["not checked"],
         "other": reachable - killed - counts["survived"],
         "score": round(100 * killed / reachable, 1) if reachable else 100.0,
     }
@@ -139,6 +141,7 @@ def main(argv: list[str]) -> int:
             f"{module}: {now['killed']}/{now['reachable']} killed, {now['score']} % "
             f"(before {was['score']} %), {now['survived']} survived, "
             f"{now['no_tests']} reached by no unit test"
+            + (f", {now['not_checked']} not checked (run stopped)" if now["not_checked"] else "")
         )
     log(f"wrote {written.relative_to(REPO)}")
     under = [m for m in MODULES if current["scores"][m]["score"] < TARGET]

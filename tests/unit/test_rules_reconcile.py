@@ -284,13 +284,13 @@ def test_each_rule_touches_only_its_own_jobs(served_farm, model_id, stub):
     cancelled = add_job(served_farm, model_id, 5, **running(ago(seconds=1), cancel_requested=True))
     live = add_job(served_farm, model_id, 6, **running(now() + timedelta(seconds=60)))
     recent = add_job(served_farm, model_id, 7, sent_at=ago(seconds=resend - 10))
-    # Finished, with the lease its worker never cleared: it is not running, nothing to take back.
+    # Finished, with the lease its worker never cleared: not running, nothing to take back.
     done = add_job(
         served_farm,
         model_id,
         8,
         state="succeeded",
-        attempts=1,
+        attempts=3,  # on its last attempt: still not one to fail
         finished_at=now(),
         lease_expires_at=ago(seconds=1),
     )
