@@ -75,10 +75,10 @@ def score(counts: Counter) -> dict[str, Any]:
 
 
 def reviewed() -> set[str]:
-    """Mutant names that survivors.md reviews (each a `name` in backticks at a line's start)."""
+    """Mutant names that survivors.md reviews (each in backticks)."""
     if not SURVIVORS.exists():
         return set()
-    return set(re.findall(r"^- `([^`]+__mutmut_\d+)`", SURVIVORS.read_text(), re.MULTILINE))
+    return set(re.findall(r"`([^`\s]+__mutmut_\d+)`", SURVIVORS.read_text()))
 
 
 def main(argv: list[str]) -> int:

@@ -253,6 +253,11 @@ def test_an_unaligned_header_puts_the_payload_right_after_it(tmp_path):
     assert header.payload_offset == len(CPU_HEADER) == 189, BUMP_HEADER
 
 
+def test_a_header_without_an_alignment_puts_the_payload_right_after_it():
+    bare = CPU_HEADER.replace(b' header_size_alignment="0"', b"")
+    assert blobformat.parse_header(bare, len(bare) + 1, "x").payload_offset == len(bare)
+
+
 def test_an_alignment_the_header_already_ends_on_adds_no_padding():
     exact = CPU_HEADER.replace(b'"0"', b'"191"')  # 191 bytes long, aligned to 191
     assert len(exact) == 191
