@@ -196,6 +196,8 @@ def test_jobs_since_filters_by_creation_time_in_utc(farm_home, conv_xml):
     assert farm_json(farm_home, "jobs", "--since", after) == []
     human = farm(farm_home, "jobs", "--since", before, "--state", "succeeded").stdout
     assert "succeeded" in human
+    # --state filters: the succeeded job is not listed among the failed ones.
+    assert "succeeded" not in farm(farm_home, "jobs", "--since", before, "--state", "failed").stdout
 
 
 def test_db_upgrade_and_logs_answer_in_json(farm_home, conv_xml):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import threading
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import select
 
+from farm.core.clock import now
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Target
 from farm.server.db.models import Blob, Job
@@ -53,7 +56,15 @@ def test_a_real_worker_compiles_a_cpu_job_end_to_end(served, conv_xml, tmp_path)
     assert blob.cache_key == result["cache_key"]
     stored = served.store.stat(blob.storage_key)
     assert (stored.size, stored.sha256) == (blob.size_bytes, blob.sha256)
-    assert "compile" in served.farm("logs", str(job["id"])).stdout
+    log = served.farm_json("logs", str(job["id"]))
+    assert (log["id"], log["state"]) == (job["id"], "succeeded")
+    # The timings line the worker wrote for this very blob (its size), not any mention of
+    # "compile".
+    timings = (
+        r"compile \d+\.\d{3}s, export \d+\.\d{3}s, peak RSS \d+ MiB, "
+        f"blob {blob.size_bytes} bytes"
+    )
+    assert re.search(rf"^{timings}$", log["log"], re.MULTILINE), log["log"]
 
     out = tmp_path / "pulled.blob"
     served.farm("pull", str(conv_xml), "-d", "CPU", "-o", str(out))
@@ -118,8 +129,17 @@ def test_sigkill_mid_compile_then_restart_completes_with_one_blob(served, big_xm
     served.kill_worker("w1")  # SIGKILL to the worker, its pool and the compile child
     assert served.job(submission.job_id).state == "running"  # nobody told the database
     served.start_worker("w2")
-    # The lease (3 s here) runs out; the reconciler takes the job back and re-sends it.
-    wait_until(lambda: served.farm_json("reconcile")["taken_back"], 30, "the lease to expire")
+    # The lease (3 s here) runs out; one reconciler pass takes exactly this job back and
+    # re-sends it (a pass before that would have to leave it: tests/unit/test_rules_reconcile).
+    wait_until(
+        lambda: served.job(submission.job_id).lease_expires_at < now(), 30, "the lease to expire"
+    )
+    report = served.farm_json("reconcile")
+    assert (report["taken_back"], report["resent"], report["failed"]) == (
+        [submission.job_id],
+        [submission.job_id],
+        [],
+    )
     job = served.wait_job(submission.job_id)
     assert job.state == "succeeded" and job.worker == "w2" and job.attempts == 2
     assert served.count(Blob) == 1
@@ -139,10 +159,41 @@ def test_a_running_compile_is_cancelled_by_its_worker(served, big_xml):
     served.start_worker("w1")
     submission = submit_direct(served, big_xml)
     wait_until(lambda: served.job(submission.job_id).state == "running", 60, "the compile")
+    other = running_elsewhere(served, served.job(submission.job_id))
     with served.sessions() as session:  # at once: a `farm cancel` process takes a second to start
         service.cancel(session, submission.job_id, by="operator", as_admin=True)
     job = served.wait_job(submission.job_id, timeout=30)
-    assert job.state == "cancelled" and served.count(Blob) == 0
+    assert (job.state, job.error, job.cancelled_by) == (
+        "cancelled",
+        "cancelled while running",
+        "operator",
+    )
+    assert served.count(Blob) == 0
+    # Only the named job was asked to stop: another running job is left as it was.
+    left = served.job(other)
+    assert (left.state, left.cancel_requested, left.cancelled_by) == ("running", False, None)
+
+
+def running_elsewhere(served, job: Job) -> int:
+    """A second running job (its row only: a worker "w9" holds it, with a live lease)."""
+    with served.sessions() as session:
+        row = Job(
+            cache_key="f" * 64,
+            model_id=job.model_id,
+            target=job.target,
+            queue=job.queue,
+            spec=job.spec,
+            toolchain=job.toolchain,
+            state="running",
+            attempts=1,
+            worker="w9",
+            created_at=now(),
+            started_at=now(),
+            lease_expires_at=now() + timedelta(minutes=10),
+        )
+        session.add(row)
+        session.commit()
+        return row.id
 
 
 def test_a_model_that_cannot_compile_fails_its_job_and_the_worker_carries_on(

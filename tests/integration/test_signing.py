@@ -35,6 +35,14 @@ def test_a_signature_binds_the_cache_key_and_the_bytes(tmp_path):
         create_key_pair(tmp_path / "k.pem")  # never overwritten
 
 
+def assert_refused(result, message: str) -> None:
+    """The edge refused the blob for exactly this reason: exit 8 (untrusted), that one-line
+    error."""
+    assert result.returncode == 8, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.rstrip("\n").endswith(f": {message}"), result.stderr
+
+
 def set_blob(edge_farm, **columns) -> None:  # noqa: F811
     assignments = ", ".join(f"{name} = ?" for name in columns)
     with sqlite3.connect(edge_farm.home / "farm.db") as connection:
@@ -43,16 +51,21 @@ def set_blob(edge_farm, **columns) -> None:  # noqa: F811
 
 def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noqa: F811
     env = edge_farm.edge_env()
-    untrusting = {**env, "FARM_TRUSTED_KEYS": ""}
-    refused = run_farm(untrusting, "pull", edge_farm.key)
-    assert refused.returncode == 8 and "does not trust" in refused.stderr
-
+    key = edge_farm.key
     (signature, manifest_signature, key_id), *_ = edge_farm.sql(
         "SELECT signature, manifest_signature, signing_key_id FROM blobs"
     )
+    untrusting = {**env, "FARM_TRUSTED_KEYS": ""}
+    refused = run_farm(untrusting, "pull", key)
+    assert_refused(
+        refused,
+        f"blob {key} is signed by key {key_id}, which this machine does not trust "
+        "(trusted: none; FARM_TRUSTED_KEYS)",
+    )
+
     set_blob(edge_farm, signature=None, manifest_signature=None, signing_key_id=None)
-    unsigned = run_farm(env, "pull", edge_farm.key)
-    assert unsigned.returncode == 8 and "not signed" in unsigned.stderr
+    unsigned = run_farm(env, "pull", key)
+    assert_refused(unsigned, f"blob {key} is not signed; refusing to import it")
     allowed = ok_json({**env, "FARM_ALLOW_UNSIGNED": "1"}, "pull", edge_farm.key)
     assert allowed["downloaded"] is True
 
@@ -60,13 +73,17 @@ def test_the_edge_refuses_unsigned_untrusted_and_forged_blobs(edge_farm):  # noq
     other = Manifest(KEY, SHA, 1, 0, "CPU", {"openvino": "2026.4.1"}, False, {"onnx": SHA})
     forgery = Signer.from_file(edge_farm.home / "keys" / "signing.pem").sign_manifest(other)
     set_blob(edge_farm, signature=signature, manifest_signature=forgery, signing_key_id=key_id)
-    forged = run_farm(env, "pull", edge_farm.key)
-    assert forged.returncode == 8 and "invalid signature" in forged.stderr
+    forged = run_farm(env, "pull", key)
+    assert_refused(forged, f"blob {key} has an invalid signature from key {key_id}; refusing it")
     # Only the v1 signature (a record stripped of its manifest signature): never accepted.
     set_blob(edge_farm, signature=signature, manifest_signature=None, signing_key_id=key_id)
-    v1_only = run_farm(env, "pull", edge_farm.key)
-    assert v1_only.returncode == 8 and "only a v1 signature" in v1_only.stderr
-    assert "farm keys resign" in v1_only.stderr
+    v1_only = run_farm(env, "pull", key)
+    assert_refused(
+        v1_only,
+        f"blob {key} carries only a v1 signature, over its cache key and sha256, which leaves "
+        "its target, toolchain, size and model digests unsigned; refusing it. The farm's "
+        "operator signs its manifest with `farm keys resign`",
+    )
     set_blob(
         edge_farm, signature=signature, manifest_signature=manifest_signature, signing_key_id=key_id
     )
@@ -96,7 +113,14 @@ def test_keys_rotate_and_farm_keys_creates_and_shows_them(edge_farm, tmp_path): 
     assert ok_json(both, "pull", edge_farm.key)["downloaded"] is True
     assert ok_json(both, "pull", new_blob["cache_key"])["downloaded"] is True
     only_old = {**edge_farm.edge_env(), "FARM_CACHE_DIR": str(tmp_path / "other-cache")}
-    assert run_farm(only_old, "pull", new_blob["cache_key"]).returncode == 8  # untrusted
+    (old_id,) = edge_farm.sql(
+        "SELECT signing_key_id FROM blobs WHERE cache_key = ?", edge_farm.key
+    )[0]
+    assert_refused(
+        run_farm(only_old, "pull", new_blob["cache_key"]),
+        f"blob {new_blob['cache_key']} is signed by key {created['key_id']}, which this machine "
+        f"does not trust (trusted: {old_id}; FARM_TRUSTED_KEYS)",
+    )
 
     shown = ok_json({**rotated, "FARM_TRUSTED_KEYS": f"{new_key}.pub"}, "keys", "show")
     assert shown["signing_key"]["key_id"] == created["key_id"]

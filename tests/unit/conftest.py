@@ -7,8 +7,10 @@ Rows are inserted or aged directly (`add_job`, `age`) instead of waiting for tim
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -23,13 +25,31 @@ from farm.core.identity import ModelInfo, ModelRef
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server.context import FarmContext
 from farm.server.db.models import Blob, Job
+from farm.server.db.session import upgrade_database
 from farm.server.jobs.dispatch import StubDispatcher
 from farm.server.jobs.service import register_model
 from farm.server.storage import blob_storage_key, model_storage_key
 
 TOOLCHAIN = Toolchain(openvino="2026.4.1", runtime_requirements="x")
 """A toolchain that needs no OpenVINO probe (farm.toolchain compiles a tiny model)."""
-CPU = CompileSpec.create("CPU")
+
+
+@functools.cache
+def cpu_spec() -> CompileSpec:
+    """The default CPU spec (`CPU`)."""
+    return CompileSpec.create("CPU")
+
+
+def __getattr__(name: str) -> Any:
+    """`CPU` is built on first use, not when pytest imports this module: mutation testing
+    (scripts/mutation) makes every function of farm/core/spec.py raise once to check that the
+    tests notice, and a conftest that cannot be imported stops pytest as a usage error instead
+    of failing the tests that use it."""
+    if name == "CPU":
+        return cpu_spec()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 NOWHERE_BROKER = "redis://127.0.0.1:1/0"
 """Makes `Settings.served` true; never contacted (nothing calls `FarmContext.dispatcher`)."""
 
@@ -38,7 +58,22 @@ def open_farm(home: Path, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> F
     for name in list(os.environ):
         if name.startswith("FARM_") and name != "FARM_CACHE_DIR":
             monkeypatch.delenv(name)  # only what the test says, never the developer's setup
+    database = home / "farm.db"
+    if "database_url" not in settings and not database.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        database.write_bytes(migrated_database())  # FarmContext.open finds it at head
     return FarmContext.open(Settings(home=home, **settings))
+
+
+@functools.cache
+def migrated_database() -> bytes:
+    """An empty SQLite database at the schema's head, migrated once per test process: each
+    farm starts from a copy (migrating from scratch costs 0.2-0.5 s a test, which mutation
+    testing pays once per mutant and test)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "farm.db"
+        upgrade_database(f"sqlite:///{path}")
+        return path.read_bytes()
 
 
 def close_farm(farm: FarmContext) -> None:
@@ -107,8 +142,8 @@ def add_job(farm: FarmContext, model_id: int, n: int | str, **fields: Any) -> in
         "model_id": model_id,
         "target": "CPU",
         "queue": "compile.cpu",
-        "spec": CPU.canonical(),
-        "toolchain": TOOLCHAIN.key_part(CPU.target),
+        "spec": cpu_spec().canonical(),
+        "toolchain": TOOLCHAIN.key_part(cpu_spec().target),
         "state": "queued",
         "created_at": now(),
         **fields,
@@ -121,7 +156,12 @@ def add_job(farm: FarmContext, model_id: int, n: int | str, **fields: Any) -> in
 
 
 def add_blob(
-    farm: FarmContext, model_id: int, cache_key: str, *, created_at: datetime | None = None
+    farm: FarmContext,
+    model_id: int,
+    cache_key: str,
+    *,
+    created_at: datetime | None = None,
+    target: str = "CPU",
 ) -> Blob:
     """A stored blob: its object in the local store and its row."""
     data = f"blob {cache_key}".encode()
@@ -133,8 +173,8 @@ def add_blob(
         blob = Blob(
             cache_key=cache_key,
             model_id=model_id,
-            target="CPU",
-            spec=CPU.canonical(),
+            target=target,
+            spec=cpu_spec().canonical(),
             toolchain=TOOLCHAIN.as_dict(),
             openvino_version=TOOLCHAIN.openvino,
             storage_key=blob_storage_key(cache_key),

@@ -39,6 +39,20 @@ def test_blob_pages_hold_every_blob_once_newest_first_across_equal_timestamps(em
     assert _blob_pages(embedded_farm, 10) == [newest_first]
 
 
+def test_blobs_are_listed_for_one_target_newest_first(embedded_farm):
+    """`farm blobs --target`: only that target's blobs, however it is spelled, newest first."""
+    model = add_model(embedded_farm)
+    targets = ["NPU.4000", "CPU", "NPU.4000", "NPU.3720", "NPU.4000", "CPU"]
+    for n, target in enumerate(targets):
+        add_blob(embedded_farm, model, key(n), created_at=T0 + timedelta(minutes=n), target=target)
+    with embedded_farm.session() as session:
+        for spelling in ("4000", "npu.4000", "NPU4000"):
+            assert [b.cache_key for b in list_blobs(session, spelling)] == [key(4), key(2), key(0)]
+        assert [b.cache_key for b in list_blobs(session, "cpu")] == [key(5), key(1)]
+        assert [b.cache_key for b in list_blobs(session, "5020")] == []
+        assert [b.cache_key for b in list_blobs(session)] == [key(n) for n in range(5, -1, -1)]
+
+
 def test_a_page_asks_for_no_more_rows_than_its_limit(embedded_farm):
     model = add_model(embedded_farm)
     for n in range(7):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 import pytest
 
 from farm.core.clock import now
 from farm.core.errors import NotFound
-from farm.server.db.models import Model
+from farm.server.db.models import Job, Model
+from farm.server.db.session import upgrade_database
 from farm.server.jobs import service
 from farm.server.jobs.service import latest_job_for_key, list_jobs
-from tests.unit.conftest import add_job, add_model, key
+from tests.unit.conftest import add_job, add_model, close_farm, key, open_farm
 
 
 @pytest.fixture
@@ -80,3 +81,60 @@ def test_a_since_without_time_zone_is_utc(embedded_farm, jobs):
     since = (now() - timedelta(days=1)).replace(tzinfo=None)
     with embedded_farm.session() as session:
         assert ids(list_jobs(session, since=since)) == [jobs["npu"], jobs["retry"]]
+
+
+def test_an_aware_since_is_taken_in_its_own_time_zone(embedded_farm, jobs):
+    """Two hours ago, written in UTC+5: the same instant, so the same jobs."""
+    since = (now() - timedelta(hours=2)).astimezone(timezone(timedelta(hours=5)))
+    with embedded_farm.session() as session:
+        assert ids(list_jobs(session, since=since)) == [jobs["npu"], jobs["retry"]]
+
+
+def test_since_includes_a_job_created_at_that_very_instant(embedded_farm):
+    model = add_model(embedded_farm)
+    at = now() - timedelta(hours=1)
+    job_id = add_job(embedded_farm, model, 1, created_at=at)
+    with embedded_farm.session() as session:
+        assert ids(list_jobs(session, since=at)) == [job_id]
+
+
+def test_at_most_fifty_jobs_are_listed_by_default(embedded_farm):
+    model = add_model(embedded_farm)
+    with embedded_farm.session() as session:
+        session.add_all(
+            Job(
+                cache_key=key(n),
+                model_id=model,
+                target="CPU",
+                queue="compile.cpu",
+                spec={},
+                toolchain={},
+                state="succeeded",
+                created_at=now(),
+            )
+            for n in range(51)
+        )
+        session.commit()
+        listed = ids(list_jobs(session))
+    assert len(listed) == 50 and listed == sorted(listed, reverse=True)
+
+
+@pytest.mark.postgres
+def test_a_naive_since_is_utc_whatever_the_database_session_time_zone(
+    tmp_path, monkeypatch, postgres_url
+):
+    """PostgreSQL reads a naive timestamp in the session's TimeZone: `list_jobs` must not
+    hand it one (here the session is UTC-8, so a naive "two hours ago" would be in the future)."""
+    upgrade_database(postgres_url)
+    farm = open_farm(
+        tmp_path / "farm",
+        monkeypatch,
+        database_url=f"{postgres_url}?options=-c%20TimeZone%3DEtc/GMT%2B8",
+    )
+    try:
+        job_id = add_job(farm, add_model(farm), 1)
+        since = (now() - timedelta(hours=2)).replace(tzinfo=None)
+        with farm.session() as session:
+            assert ids(list_jobs(session, since=since)) == [job_id]
+    finally:
+        close_farm(farm)

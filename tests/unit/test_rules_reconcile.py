@@ -4,13 +4,28 @@ is missing or old, except the embedded farm's. Every branch, with the exact ids 
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import select
 
 from farm.core.clock import now
+from farm.server.db.models import Job
+from farm.server.db.session import upgrade_database
+from farm.server.jobs import reconcile as reconcile_module
 from farm.server.jobs.reconcile import ReconcileReport, reconcile
-from tests.unit.conftest import add_job, add_model, columns, get_job
+from farm.server.storage import AbortsStaleUploads
+from farm.server.storage.local import LocalStore
+from tests.unit.conftest import (
+    NOWHERE_BROKER,
+    add_job,
+    add_model,
+    close_farm,
+    columns,
+    get_job,
+    open_farm,
+)
 
 GAVE_UP = (
     "gave up after 3 attempts (FARM_MAX_ATTEMPTS): each ended without a result (the worker "
@@ -167,7 +182,183 @@ def test_the_local_store_has_no_uploads_to_abort(served_farm, model_id, stub):
 
 def test_a_cancel_requested_job_whose_worker_died_ends_cancelled(served_farm, model_id, stub):
     job_id = add_job(served_farm, model_id, 1, **running(ago(seconds=1), cancel_requested=True))
+    # Listed after the cancelled one: ending a cancelled job does not end the pass.
+    expired = add_job(served_farm, model_id, 2, **running(ago(seconds=1)))
+    at = now()
     report = run(served_farm, stub)
-    assert report == ReconcileReport(cancelled=[job_id])
-    assert stub.sent == []
-    assert get_job(served_farm, job_id).state == "cancelled"
+    assert report == ReconcileReport(cancelled=[job_id], taken_back=[expired], resent=[expired])
+    assert stub.sent == [(expired, "compile.cpu")]
+    job = get_job(served_farm, job_id)
+    assert (job.state, job.error, job.lease_expires_at) == (
+        "cancelled",
+        "cancelled while running",
+        None,
+    )
+    assert job.finished_at >= at
+
+
+def test_taking_a_job_back_is_logged_with_its_worker(served_farm, model_id, stub, caplog):
+    job_id = add_job(served_farm, model_id, 1, **running(ago(seconds=1)))
+    with caplog.at_level(logging.WARNING, logger="farm.server.jobs.reconcile"):
+        run(served_farm, stub)
+    assert caplog.messages == [f"job {job_id}: lease of w1 expired; taking it back"]
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+    """The reconciler's clock stopped at one instant: the limits' boundaries are exact."""
+    at = now()
+    monkeypatch.setattr(reconcile_module, "now", lambda: at)
+    return at
+
+
+def test_a_lease_ending_at_this_instant_is_still_live(served_farm, model_id, stub, frozen):
+    """Past means strictly before now: a worker that renewed to exactly now keeps its job, as
+    does one on its last attempt."""
+    job_ids = [
+        add_job(served_farm, model_id, 1, **running(frozen)),
+        add_job(served_farm, model_id, 2, **running(frozen, attempts=3)),
+    ]
+    before = {job_id: columns(served_farm, job_id) for job_id in job_ids}
+    assert run(served_farm, stub) == ReconcileReport()
+    assert {job_id: columns(served_farm, job_id) for job_id in job_ids} == before
+
+
+def test_a_job_queued_exactly_the_maximum_wait_may_still_start(served_farm, model_id, stub, frozen):
+    wait = timedelta(seconds=served_farm.settings.max_queue_seconds)
+    job_id = add_job(served_farm, model_id, 1, created_at=frozen - wait, sent_at=frozen)
+    assert run(served_farm, stub) == ReconcileReport()
+    assert get_job(served_farm, job_id).state == "queued"
+
+
+def test_a_running_job_older_than_the_queue_limit_is_left_to_run(served_farm, model_id, stub):
+    """The queue limit is about waiting for a worker: a job one took long ago keeps running."""
+    wait = served_farm.settings.max_queue_seconds
+    job_id = add_job(
+        served_farm,
+        model_id,
+        1,
+        created_at=ago(seconds=wait + 3600),
+        **running(now() + timedelta(seconds=60)),
+    )
+    before = columns(served_farm, job_id)
+    assert run(served_farm, stub) == ReconcileReport()
+    assert columns(served_farm, job_id) == before
+
+
+def test_an_expired_lease_older_than_the_queue_limit_is_taken_back_not_failed(
+    served_farm, model_id, stub
+):
+    wait = served_farm.settings.max_queue_seconds
+    job_id = add_job(
+        served_farm, model_id, 1, created_at=ago(seconds=wait + 1), **running(ago(seconds=1))
+    )
+    report = run(served_farm, stub)
+    assert report == ReconcileReport(taken_back=[job_id], resent=[job_id])
+    assert get_job(served_farm, job_id).state == "queued"
+
+
+def test_a_job_within_its_attempts_is_never_failed_for_them(served_farm, model_id, stub):
+    """One attempt short of the maximum: queued, running with a live lease, or running with an
+    expired one, none is failed (the expired one is taken back for its last attempt)."""
+    queued = add_job(served_farm, model_id, 1, attempts=2, sent_at=now())
+    live = add_job(served_farm, model_id, 2, **running(now() + timedelta(seconds=60), attempts=2))
+    expired = add_job(served_farm, model_id, 3, **running(ago(seconds=1), attempts=2))
+    unchanged = {job_id: columns(served_farm, job_id) for job_id in (queued, live)}
+    report = run(served_farm, stub)
+    assert report == ReconcileReport(taken_back=[expired], resent=[expired])
+    assert {job_id: columns(served_farm, job_id) for job_id in (queued, live)} == unchanged
+    assert (get_job(served_farm, expired).state, get_job(served_farm, expired).attempts) == (
+        "queued",
+        2,
+    )
+
+
+def test_each_rule_touches_only_its_own_jobs(served_farm, model_id, stub):
+    """One pass over one job of each kind: each id lands in exactly one list."""
+    wait, resend = served_farm.settings.max_queue_seconds, served_farm.settings.resend_after_seconds
+    exhausted = add_job(served_farm, model_id, 1, **running(ago(seconds=1), attempts=3))
+    too_old = add_job(served_farm, model_id, 2, created_at=ago(seconds=wait + 1), sent_at=now())
+    expired = add_job(served_farm, model_id, 3, **running(ago(seconds=1)))
+    lost = add_job(served_farm, model_id, 4, sent_at=ago(seconds=resend + 1))
+    cancelled = add_job(served_farm, model_id, 5, **running(ago(seconds=1), cancel_requested=True))
+    live = add_job(served_farm, model_id, 6, **running(now() + timedelta(seconds=60)))
+    recent = add_job(served_farm, model_id, 7, sent_at=ago(seconds=resend - 10))
+    # Finished, with the lease its worker never cleared: not running, nothing to take back.
+    done = add_job(
+        served_farm,
+        model_id,
+        8,
+        state="succeeded",
+        attempts=3,  # on its last attempt: still not one to fail
+        finished_at=now(),
+        lease_expires_at=ago(seconds=1),
+    )
+    untouched = {job_id: columns(served_farm, job_id) for job_id in (live, recent, done)}
+    report = run(served_farm, stub)
+    assert (sorted(report.failed), report.taken_back, report.cancelled) == (
+        sorted([exhausted, too_old]),
+        [expired],
+        [cancelled],
+    )
+    assert sorted(report.resent) == sorted([expired, lost])
+    assert sorted(stub.sent) == sorted([(expired, "compile.cpu"), (lost, "compile.cpu")])
+    assert {job_id: columns(served_farm, job_id) for job_id in (live, recent, done)} == untouched
+    states = {job_id: get_job(served_farm, job_id).state for job_id in (exhausted, too_old)}
+    assert states == {exhausted: "failed", too_old: "failed"}
+
+
+class RecordingStore(LocalStore, AbortsStaleUploads):
+    """The farm's local store, with the multipart uploads of an S3 store: it records how idle
+    the reconciler says an upload must be to abort it and answers the keys it "aborted"
+    (which uploads are idle is the S3 store's rule: tests/integration/test_stale_uploads.py)."""
+
+    def __init__(self, root, aborted: list[str]) -> None:
+        super().__init__(root)
+        self.asked: list[timedelta] = []
+        self.aborted = aborted
+
+    def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
+        self.asked.append(older_than)
+        return list(self.aborted)
+
+
+def test_uploads_are_aborted_only_when_idle_past_their_setting(served_farm, stub, tmp_path):
+    settings = served_farm.settings.model_copy(
+        update={"stale_upload_seconds": 1800, "max_run_seconds": 60}
+    )
+    store = RecordingStore(tmp_path / "store", ["models/abc"])
+    with served_farm.session() as session:
+        report = reconcile(session, store, settings, stub)
+    # Idle for FARM_STALE_UPLOAD_SECONDS: not 0 (an upload in progress would be cut off), not
+    # the run limit (a slow upload outlives any compile).
+    assert store.asked == [timedelta(seconds=1800)]
+    assert report == ReconcileReport(aborted_uploads=["models/abc"])
+
+
+@pytest.mark.postgres
+def test_two_reconcilers_never_handle_one_job(tmp_path, monkeypatch, postgres_url, stub):
+    """On PostgreSQL each pass locks the rows it acts on with FOR UPDATE SKIP LOCKED: a job
+    another reconciler holds is skipped, not waited for and not handled twice."""
+    upgrade_database(postgres_url)
+    # lock_timeout: a pass that waited for the lock would fail in 2 s instead of hanging.
+    farm = open_farm(
+        tmp_path / "farm",
+        monkeypatch,
+        database_url=f"{postgres_url}?options=-c%20lock_timeout%3D2000",
+        broker_url=NOWHERE_BROKER,
+    )
+    try:
+        model_id = add_model(farm)
+        held = add_job(farm, model_id, 1, **running(ago(seconds=1)))
+        free = add_job(farm, model_id, 2, **running(ago(seconds=1)))
+        with farm.session() as other:  # the other reconciler, mid-pass: it holds `held`
+            other.scalars(select(Job).where(Job.id == held).with_for_update()).one()
+            report = run(farm, stub)
+            other.rollback()
+        assert report == ReconcileReport(taken_back=[free], resent=[free])
+        assert stub.sent == [(free, "compile.cpu")]
+        assert get_job(farm, held).state == "running"  # left to the reconciler holding it
+        assert get_job(farm, free).state == "queued"
+    finally:
+        close_farm(farm)

@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from farm import toolchain
 from farm.core.clock import now
-from farm.core.errors import ModelMissing
+from farm.core.errors import ChecksumMismatch, ModelMissing
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.context import FarmContext
@@ -292,6 +292,36 @@ def test_with_upload_from_only_the_missing_files_are_uploaded(embedded_farm, stu
     for role, path in ref.files.items():
         stored = embedded_farm.store.local_path(model_storage_key(ref.identity[role]))
         assert stored.read_bytes() == path.read_bytes()
+
+
+def test_uploaded_model_files_are_checked_against_their_digests(embedded_farm, stub, ref):
+    """A file that changed on disk after it was hashed (rewritten while `farm submit` ran) is
+    refused: stored under its old digest, it would be compiled as a model it is not."""
+    ref.files["bin"].write_bytes(b"weights rewritten after hashing")
+    with pytest.raises(ChecksumMismatch) as raised:
+        submit(embedded_farm, stub, ref, [CPU])
+    bin_key = model_storage_key(ref.identity["bin"])
+    assert str(raised.value).startswith(f"{bin_key}: the bytes have sha256 ")
+    assert str(raised.value).endswith(f"expected {ref.identity['bin']}; nothing stored")
+    assert ref.identity["bin"] not in stored_models(embedded_farm)
+    assert (job_ids(embedded_farm), stub.sent) == ([], [])
+
+
+def test_upload_model_files_uploads_every_file_unless_told_which(embedded_farm, ref):
+    service.upload_model_files(embedded_farm.store, ref, [ref.identity["xml"]])
+    assert stored_models(embedded_farm) == [ref.identity["xml"]]
+    service.upload_model_files(embedded_farm.store, ref)
+    assert stored_models(embedded_farm) == sorted(ref.identity.values())
+
+
+def test_each_matrix_has_its_own_submission_id(embedded_farm, stub, ref):
+    first = submit(embedded_farm, stub, ref, [CPU])
+    second = submit(embedded_farm, stub, ref, [CPU_B2])
+    assert re.fullmatch(r"[0-9a-f]{32}", first.submission_id)
+    assert first.submission_id != second.submission_id
+    assert get_job(embedded_farm, second.results[0][1].job_id).submission_id == (
+        second.submission_id
+    )
 
 
 def test_a_hit_needs_no_model_files(embedded_farm, stub, ref):
