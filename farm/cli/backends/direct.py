@@ -196,10 +196,19 @@ class Direct:
                 dispatcher.close()
         return asdict(report)
 
-    def collect_garbage(self, unpulled_days: int, dry_run: bool) -> gc.GcReport:
+    def collect_garbage(
+        self,
+        unpulled_days: int,
+        dry_run: bool,
+        on_blob: Callable[[gc.Candidate], None] | None = None,
+    ) -> gc.GcReport:
+        """`farm gc`; `on_blob` is called with each blob as gc goes (the report then keeps
+        only totals: constant memory however many there are)."""
         with self._session() as session:
             grace = self.farm.settings.model_grace_seconds
-            return gc.collect(session, self.farm.store, unpulled_days, dry_run, grace)
+            return gc.collect(
+                session, self.farm.store, unpulled_days, dry_run, grace, on_blob=on_blob
+            )
 
     def resign_blobs(self, accept_unverified: bool) -> resign.ResignReport:
         """`farm keys resign`: every blob's manifest signed with this host's FARM_SIGNING_KEY,
