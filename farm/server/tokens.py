@@ -117,5 +117,8 @@ def authenticate(session: Session, token: str) -> Caller | None:
     return Caller(row.name, row.role)
 
 
-def list_tokens(session: Session) -> list[ApiToken]:
-    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+def list_tokens(session: Session, limit: int, after_id: int = 0) -> list[ApiToken]:
+    """At most `limit` tokens by id, after the token `after_id` (keyset: each page one range
+    of the primary key)."""
+    query = select(ApiToken).where(ApiToken.id > after_id).order_by(ApiToken.id).limit(limit)
+    return list(session.scalars(query))

@@ -24,7 +24,7 @@ from farm.core.errors import KeyFileError, NotFound
 from farm.core.identity import ModelRef
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
-from farm.server import doctor, tokens
+from farm.server import doctor, pagination, tokens
 from farm.server.blobs import gc, resign
 from farm.server.blobs import service as blobs
 from farm.server.context import FarmContext, database_errors
@@ -34,7 +34,7 @@ from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
-from farm.server.views import blob_dict, job_dict, job_view, log_view, workers_view
+from farm.server.views import blob_dict, job_dict, job_rows, job_view, log_view, workers_view
 
 
 class Direct:
@@ -114,7 +114,7 @@ class Direct:
             with self._session() as session:
                 rows = jobs.list_jobs(session, limit=size, cursor=cursor, **filters)
                 following = job_cursor(rows[-1].id) if len(rows) == size else None
-                return [job_dict(job) for job in rows], following
+                return job_rows(session, rows), following
 
         return _pages(page, limit)
 
@@ -133,8 +133,16 @@ class Direct:
             return job_dict(job) if job else None
 
     def workers(self) -> list[dict[str, Any]]:
-        with self._session() as session:
-            return workers_view(session, self.farm.settings.worker_heartbeat_seconds)
+        heartbeat = self.farm.settings.worker_heartbeat_seconds
+
+        def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
+            after = pagination.after_worker(cursor) if cursor else None
+            with self._session() as session:
+                rows = workers_view(session, heartbeat, size, after)
+            following = pagination.worker_cursor(rows[-1]["name"]) if len(rows) == size else None
+            return rows, following
+
+        return _pages(page, None)
 
     # --- blobs (also the edge agent's source in embedded mode) ---------------------------------
 
@@ -228,8 +236,15 @@ class Direct:
             return tokens.revoke_token(session, name)
 
     def list_tokens(self) -> list[ApiToken]:
-        with self._session() as session:
-            return tokens.list_tokens(session)
+        """Every token by id, read a page at a time."""
+        found: list[ApiToken] = []
+        while True:
+            with self._session() as session:
+                after = found[-1].id if found else 0
+                page = tokens.list_tokens(session, MAX_PAGE, after)
+            found += page
+            if len(page) < MAX_PAGE:
+                return found
 
     def close(self) -> None:
         pass
