@@ -19,7 +19,8 @@ def model_names(session: Session, jobs: Iterable[Job]) -> dict[int, str]:
     ids = {job.model_id for job in jobs}
     if not ids:
         return {}
-    return dict(session.execute(select(Model.id, Model.name).where(Model.id.in_(ids))).tuples())
+    rows = session.execute(select(Model.id, Model.name).where(Model.id.in_(ids)))
+    return {model_id: name for model_id, name in rows}
 
 
 def job_dict(job: Job, model_name: str | None = None) -> dict[str, Any]:
