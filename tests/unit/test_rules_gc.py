@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import event, select, text, update
 
 from farm.core.clock import now
 from farm.core.errors import StorageError
@@ -280,3 +280,20 @@ def test_a_blob_pulled_after_gc_listed_it_is_left_with_its_pulls(embedded_farm, 
     assert [(d.cache_key, d.state) for d in deletions(embedded_farm)] == [
         (idle.cache_key, "pending")
     ]
+
+
+def test_compile_vs_import_counts_imports_not_downloads(embedded_farm, model_id):
+    """A pull reported ok without an import time (`farm pull`, fleet prefetch) is a download:
+    `compile_vs_import.imports` counts only the pulls that imported."""
+    blob = add_blob(embedded_farm, model_id, key("b"))
+    with embedded_farm.session() as session:
+        record_pull(session, blob.cache_key, "edge-1", True, import_seconds=0.5)
+        record_pull(session, blob.cache_key, "edge-1", True, import_seconds=1.5)
+        record_pull(session, blob.cache_key, "edge-2", True)  # downloaded only
+        record_pull(session, blob.cache_key, "edge-3", False, error="device lost")
+        row = session.execute(
+            text("SELECT imports, import_seconds_avg FROM compile_vs_import")
+        ).one()
+        usage = session.execute(text("SELECT pulls, ok_pulls FROM blob_usage")).one()
+    assert tuple(row) == (2, 1.0)
+    assert tuple(usage) == (4, 3)
