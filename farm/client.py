@@ -219,7 +219,8 @@ class FarmClient:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
     def workers(self) -> list[dict]:
-        return self._call("GET", "/v1/workers")
+        """Every registered worker by name, a page (of at most `PAGE`) at a time."""
+        return self._pages("/v1/workers", {}, None)
 
     # --- blobs --------------------------------------------------------------------------------
 

@@ -138,6 +138,7 @@ def served_environment(tmp_path: Path, postgres_url: str, redis_url: str, s3_url
         "FARM_S3_SECRET_ACCESS_KEY": S3_CREDENTIALS["secret_access_key"],
         "FARM_LEASE_SECONDS": "3",
         "FARM_WORKER_HEARTBEAT_SECONDS": "1",
+        "FARM_METRICS_CACHE_SECONDS": "0",  # tests read the numbers right after a change
     }
 
 

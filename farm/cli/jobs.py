@@ -325,10 +325,11 @@ def jobs(
     )
 
     def human() -> None:
-        table = Table("job", "target", "state", "queue", "created", "error")
+        table = Table("job", "model", "target", "state", "queue", "created", "error")
         for row in rows:
             table.add_row(
                 cell(row["id"]),
+                cell(row.get("model_name")),
                 cell(row["target"]),
                 cell(row["state"]),
                 cell(row["queue"]),
@@ -380,17 +381,28 @@ def blobs(
     rows = backend().blobs(target, None if show_all else limit)
 
     def human() -> None:
-        table = Table("cache key", "target", "OpenVINO", "size", "compile s", "created", "state")
-        for row in rows:
-            table.add_row(
-                cell(row["cache_key"][:16]),
-                cell(row["target"]),
-                cell(row["openvino"]),
+        headers = (
+            *("cache key", "model", "target", "OpenVINO", "size", "compile s", "created"),
+            "state",
+        )
+        cells = [
+            [
+                row["cache_key"],
+                row.get("model_name") or "",
+                row["target"],
+                row["openvino"],
                 size_text(row["size_bytes"]),
                 f"{row['compile_seconds'] or 0:.2f}",
-                cell(str(row["created_at"])[:19]),
+                str(row["created_at"])[:19],
                 "QUARANTINED" if row.get("quarantined_at") else "",
-            )
+            ]
+            for row in rows
+        ]
+        width = _key_width(headers, cells, out.width)
+        table = Table(*headers)
+        for line in cells:
+            key = line[0] if width >= len(line[0]) else line[0][: width - 1] + "…"
+            table.add_row(cell(key), *(cell(value) for value in line[1:]))
         out.print(table)
 
     emit(rows, as_json, human)
@@ -418,3 +430,14 @@ def workers(show_all: bool, as_json: bool) -> None:
         out.print(table)
 
     emit(rows, as_json, human)
+
+
+def _key_width(headers: tuple[str, ...], cells: list[list[str]], terminal: int) -> int:
+    """Room for the cache key (the first column) once the other columns have theirs: the whole
+    key (what `farm status` and edges take) where the terminal allows, at least 16 characters."""
+    others = sum(
+        max([len(header), *(len(line[n]) for line in cells)]) + 3
+        for n, header in enumerate(headers)
+        if n
+    )
+    return max(16, terminal - others - 4)

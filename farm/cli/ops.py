@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -199,17 +201,34 @@ def reconcile(as_json: bool) -> None:
 def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
     """Delete blobs no edge has pulled for N days, from the database and from storage, and
     model files no job names, older than FARM_MODEL_GRACE_SECONDS."""
-    report = direct("gc").collect_garbage(unpulled_days, dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    # Each blob is written as gc reaches it, never all held at once (a catalog of millions).
+    if as_json:
+        click.echo('{"blobs": [', nl=False)
+        first = [True]
 
-    def human() -> None:
-        verb = "would delete" if dry_run else "deleted"
-        for blob in report.blobs:
+        def listed(blob: Any) -> None:
+            click.echo(
+                ("\n  " if first[0] else ",\n  ") + json.dumps(asdict(blob), default=str), nl=False
+            )
+            first[0] = False
+    else:
+
+        def listed(blob: Any) -> None:
             last = str(blob.last_pulled_at or "never")[:19]
-            out.print(
+            click.echo(
                 f"{verb} {blob.cache_key} {blob.target:9} {size_text(blob.size_bytes):>10} "
                 f"pulls {blob.pulls}, last pulled {last}"
             )
-        out.print(f"{verb} {len(report.blobs)} blobs, {size_text(report.bytes)}")
+
+    report = direct("gc").collect_garbage(unpulled_days, dry_run, on_blob=listed)
+    if as_json:
+        rest = json.dumps(
+            {k: v for k, v in report.as_dict().items() if k != "blobs"}, indent=2, default=str
+        )
+        click.echo("\n], " + rest[1:].lstrip())
+    else:
+        out.print(f"{verb} {report.blob_count} blobs, {size_text(report.bytes)}")
         for model in report.models:
             size, stored = size_text(model.size_bytes), str(model.stored_at)[:19]
             out.print(f"{verb} model file {model.sha256} {size:>10} stored {stored}")
@@ -221,8 +240,6 @@ def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
             out.print(f"{len(report.pending)} objects {state}")
         for error in report.errors:
             say(f"farm: error: {error}", err)
-
-    emit(report.as_dict(), as_json, human)
     if report.errors:
         raise SystemExit(EXIT_INFRASTRUCTURE)
 

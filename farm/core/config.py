@@ -104,6 +104,10 @@ class Settings(BaseSettings):
     readyz_cache_seconds: float = 2.0
     """`/readyz` answers from its last check for this long, so a burst of probes costs one
     check of the database, broker and store. 0: check on every call."""
+    metrics_cache_seconds: float = 60.0
+    """`/metrics` and the dashboard's summary cards (whole-table aggregates) are recomputed at
+    most this often per API process, in the background; requests in between get the last
+    numbers. 0: computed on every request."""
     api_header_timeout_seconds: float = 10.0
     """A connection must send a complete request head within this long of connecting (or of
     its previous response), or the API closes it: slow clients cannot hold connections."""

@@ -2,7 +2,8 @@
 builds an unbounded answer, and a page costs the same however deep it is (no OFFSET scan).
 
 A cursor is opaque to clients: URL-safe base64 of the sort key of a page's last row. Jobs are
-ordered by id; blobs by (created_at, id), newest first.
+ordered by id and blobs by (created_at, id), newest first; workers by name.
+Each order is one index (docs/schema.md, Indexes), so a page reads only its own rows.
 """
 
 from __future__ import annotations
@@ -61,3 +62,24 @@ def after_blob(cursor: str) -> tuple[datetime, int]:
         return datetime.fromisoformat(created_at), int(blob_id)
     except ValueError:
         raise InvalidCursor(f"cursor {cursor[:80]!r} is not a cursor of the blob list") from None
+
+
+def worker_cursor(name: str) -> str:
+    return encode("worker", name)
+
+
+def after_worker(cursor: str) -> str:
+    _, *name = decode_prefix(cursor, "worker")
+    return "|".join(name)
+
+
+def decode_prefix(cursor: str, kind: str) -> list[str]:
+    """The parts of a cursor of the `kind` list whose last part may itself hold '|'."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        parts = base64.urlsafe_b64decode(padded.encode("ascii")).decode().split("|")
+    except (ValueError, UnicodeError, binascii.Error):
+        parts = []
+    if len(parts) < 2 or parts[0] != kind:
+        raise InvalidCursor(f"cursor {cursor[:80]!r} is not a cursor of the {kind} list")
+    return parts

@@ -92,15 +92,40 @@ def all_workers(session: Session) -> list[Worker]:
     return list(session.scalars(select(Worker).order_by(Worker.heartbeat_at.desc())))
 
 
+def workers_page(session: Session, limit: int, after: str | None = None) -> list[Worker]:
+    """At most `limit` workers by name (a stable order: heartbeats move), after `after`."""
+    query = select(Worker).order_by(Worker.name).limit(limit)
+    if after is not None:
+        query = query.where(Worker.name > after)
+    return list(session.scalars(query))
+
+
+def served_queues(session: Session, heartbeat_seconds: int) -> set[str]:
+    """Every queue some live worker consumes: read once, for any number of jobs."""
+    return {queue for w in live_workers(session, heartbeat_seconds) for queue in w.queues}
+
+
 def is_served(session: Session, queue: str, heartbeat_seconds: int) -> bool:
-    return any(queue in w.queues for w in live_workers(session, heartbeat_seconds))
+    return queue in served_queues(session, heartbeat_seconds)
 
 
 def waiting_note(session: Session, job, heartbeat_seconds: int) -> str | None:
     """A queued job nobody can take says so, instead of waiting silently."""
     if job is None or job.state != JobState.QUEUED or job.queue == EMBEDDED_QUEUE:
         return None
-    if is_served(session, job.queue, heartbeat_seconds):
+    return note_for(job, served_queues(session, heartbeat_seconds))
+
+
+def waiting_notes(session: Session, jobs, heartbeat_seconds: int) -> dict[int, str | None]:
+    """`waiting_note` of each job of a page, with the workers read once (not once per job)."""
+    waiting = {j.id for j in jobs if j.state == JobState.QUEUED and j.queue != EMBEDDED_QUEUE}
+    served = served_queues(session, heartbeat_seconds) if waiting else set()
+    return {job.id: note_for(job, served) if job.id in waiting else None for job in jobs}
+
+
+def note_for(job, served: set[str]) -> str | None:
+    """The note of a queued job given the queues live workers serve."""
+    if job.queue in served:
         return None
     return (
         f"no live worker has the toolchain {json.dumps(job.toolchain, sort_keys=True)} for "

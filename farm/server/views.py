@@ -4,17 +4,29 @@ answers. The direct CLI and the API both build their answers here, so they canno
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from farm.server import routing
-from farm.server.db.models import Blob, Job, Verification, Worker
+from farm.server.db.models import Blob, Job, Model, Verification, Worker
 
 
-def job_dict(job: Job) -> dict[str, Any]:
+def model_names(session: Session, jobs: Iterable[Job]) -> dict[int, str]:
+    """The file names of the models of `jobs`: one query for a whole page."""
+    ids = {job.model_id for job in jobs}
+    if not ids:
+        return {}
+    rows = session.execute(select(Model.id, Model.name).where(Model.id.in_(ids)))
+    return {model_id: name for model_id, name in rows}
+
+
+def job_dict(job: Job, model_name: str | None = None) -> dict[str, Any]:
     return {
         "id": job.id,
+        "model_name": model_name,
         "cache_key": job.cache_key,
         "target": job.target,
         "toolchain": job.toolchain,
@@ -41,6 +53,7 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
         "cache_key": blob.cache_key,
         "target": blob.target,
         "model": dict(blob.model.files),
+        "model_name": blob.model.name,
         "openvino": blob.openvino_version,
         "toolchain": blob.toolchain,
         "size_bytes": blob.size_bytes,
@@ -108,7 +121,23 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
 def job_view(session: Session, job: Job, heartbeat_seconds: int) -> dict[str, Any]:
     """A job as `farm status` and `GET /v1/jobs/{id}` show it: with the note of a queued job
     that no live worker can take."""
-    return {**job_dict(job), "note": routing.waiting_note(session, job, heartbeat_seconds)}
+    return job_views(session, [job], heartbeat_seconds)[0]
+
+
+def job_views(
+    session: Session, jobs: Sequence[Job], heartbeat_seconds: int
+) -> list[dict[str, Any]]:
+    """`job_view` of each job of a page, with what they share read once: the model names
+    (one query) and the live workers (one query), not one query per job."""
+    names = model_names(session, jobs)
+    notes = routing.waiting_notes(session, jobs, heartbeat_seconds)
+    return [{**job_dict(job, names.get(job.model_id)), "note": notes[job.id]} for job in jobs]
+
+
+def job_rows(session: Session, jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """`job_dict` of each job of a page, with its model's name (one query for the page)."""
+    names = model_names(session, jobs)
+    return [job_dict(job, names.get(job.model_id)) for job in jobs]
 
 
 def log_view(job: Job) -> dict[str, Any]:
@@ -116,7 +145,10 @@ def log_view(job: Job) -> dict[str, Any]:
     return {"id": job.id, "state": job.state, "log": job.log or job.error or ""}
 
 
-def workers_view(session: Session, heartbeat_seconds: int) -> list[dict[str, Any]]:
-    """Every registered worker, newest heartbeat first, each marked live or not."""
+def workers_view(
+    session: Session, heartbeat_seconds: int, limit: int, after: str | None = None
+) -> list[dict[str, Any]]:
+    """A page of registered workers by name (after the worker named `after`), each marked
+    live or not."""
     live = {w.name for w in routing.live_workers(session, heartbeat_seconds)}
-    return [worker_dict(w, w.name in live) for w in routing.all_workers(session)]
+    return [worker_dict(w, w.name in live) for w in routing.workers_page(session, limit, after)]

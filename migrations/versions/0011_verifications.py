@@ -3,6 +3,7 @@
 - blobs: the reference file (digest, size, signature binding it to the blob, or why there is
   none) and the quarantine (when, why). A blob is quarantined by a failed verification or by an
   admin; edges refuse it until an admin releases it.
+- blob_deletions.reference_storage_key: the reference object `farm gc` deletes with the blob's.
 - jobs.reference_inputs: the sha256 of inputs the submitter gave (`farm submit --inputs`),
   stored with the model's files.
 - verifications: one edge's run of a blob against its reference: errors, latency, device.
@@ -133,6 +134,15 @@ def upgrade() -> None:
         "(quarantined_at IS NULL) = (quarantine_reason IS NULL)",
     )
     table.sha256("reference_sha256")
+    op.add_column(
+        "blob_deletions",
+        sa.Column(
+            "reference_storage_key",
+            sa.Text(),
+            nullable=True,
+            comment="Object key of its reference outputs, deleted with it; null: none.",
+        ),
+    )
     table = _Table("jobs")
     table.add_column(
         sa.Column(
@@ -251,6 +261,7 @@ def downgrade() -> None:
         op.execute(f"DROP VIEW {name}")
     op.drop_table("verifications")
     op.drop_column("jobs", "reference_inputs")  # drops its constraints with it
+    op.drop_column("blob_deletions", "reference_storage_key")
     for column in (
         "quarantine_reason",
         "quarantined_at",

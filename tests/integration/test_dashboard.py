@@ -144,5 +144,9 @@ def test_dashboard_login_rules(empty_farm):
             expired = create_token(session, "soon-expired", "admin", soon)
         bearer = httpx.get(base, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
         assert bearer.status_code == 200 and "admin-1" in bearer.text
+        # A valid token without the role: 403 saying so, not the login page again.
+        edge = {"Authorization": f"Bearer {farm.tokens['pull']}"}
+        pull = httpx.get(base, headers=edge, timeout=30, follow_redirects=False)
+        assert pull.status_code == 403 and "has the &#x27;pull&#x27; role" in pull.text
         time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.1)
         assert client.post(f"{base}/login", data={"token": expired}).status_code == 401

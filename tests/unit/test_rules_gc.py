@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, text, update
 
 from farm.core.clock import now
 from farm.core.errors import StorageError
@@ -58,7 +58,7 @@ def pull_count(farm) -> int:
         return len(list(session.scalars(select(Pull.id))))
 
 
-def test_candidates_are_blobs_unused_for_n_days_oldest_first(embedded_farm, model_id):
+def test_candidates_are_blobs_unused_for_n_days_in_blob_order(embedded_farm, model_id):
     at = now()
     never_old = add_blob(
         embedded_farm, model_id, key("never-old"), created_at=at - timedelta(days=10)
@@ -74,7 +74,7 @@ def test_candidates_are_blobs_unused_for_n_days_oldest_first(embedded_farm, mode
     )
     pull(embedded_farm, pulled_new.cache_key, 2)
     with embedded_farm.session() as session:
-        found = gc.candidates(session, DAYS, at)
+        found = list(gc.candidates(session, DAYS, at))
     assert [(c.cache_key, c.pulls) for c in found] == [
         (never_old.cache_key, 0),  # last used 10 days ago (created)
         (pulled_old.cache_key, 2),  # last used 8 days ago (pulled; a failed pull counts)
@@ -88,7 +88,8 @@ def test_a_blob_exactly_n_days_unused_is_a_candidate(embedded_farm, model_id):
     exact = add_blob(embedded_farm, model_id, key(1), created_at=at - timedelta(days=DAYS))
     add_blob(embedded_farm, model_id, key(2), created_at=at - timedelta(days=DAYS, seconds=-1))
     with embedded_farm.session() as session:
-        assert [c.cache_key for c in gc.candidates(session, DAYS, at)] == [exact.cache_key]
+        found = [c.cache_key for c in gc.candidates(session, DAYS, at)]
+    assert found == [exact.cache_key]
 
 
 def test_a_dry_run_changes_nothing(embedded_farm, model_id):
@@ -198,3 +199,101 @@ def test_a_pending_object_whose_key_came_back_is_kept(embedded_farm, model_id):
     assert (report.blobs, report.objects_deleted, report.objects_kept) == ([], 0, 1)
     assert blob_keys(embedded_farm) == object_keys(embedded_farm) == {old.cache_key}
     assert [(d.cache_key, d.state) for d in deletions(embedded_farm)] == [(old.cache_key, "kept")]
+
+
+def _count_selects_of_blobs(farm) -> list[str]:
+    """Record each statement that reads the candidates (FROM blobs ... LIMIT)."""
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:
+        reads = statement.lstrip().upper().startswith("SELECT") and "FROM blobs" in statement
+        if reads and "LIMIT" in statement.upper():
+            seen.append(statement)
+
+    event.listen(farm.sessions.kw["bind"], "before_cursor_execute", record)
+    return seen
+
+
+def test_candidates_are_read_a_batch_at_a_time(embedded_farm, model_id):
+    old = [add_blob(embedded_farm, model_id, key(n), created_at=days_ago(10)) for n in range(7)]
+    add_blob(embedded_farm, model_id, key("fresh"))
+    reads = _count_selects_of_blobs(embedded_farm)
+    with embedded_farm.session() as session:
+        found = gc.candidates(session, DAYS, batch_size=3)
+        first = next(found)
+        assert (first.cache_key, len(reads)) == (old[0].cache_key, 1)  # one batch read so far
+        rest = list(found)
+    assert [c.cache_key for c in [first, *rest]] == [b.cache_key for b in old]
+    assert len(reads) == 3  # 3 + 3 + 1: no query reads more than a batch
+
+
+def test_a_run_in_batches_smaller_than_the_candidates_deletes_them_all(embedded_farm, model_id):
+    old = [add_blob(embedded_farm, model_id, key(n), created_at=days_ago(10)) for n in range(7)]
+    for blob in old[:3]:
+        pull(embedded_farm, blob.cache_key, 9)
+    fresh = add_blob(embedded_farm, model_id, key("fresh"))
+    pull(embedded_farm, fresh.cache_key, 1)
+    listed: list[str] = []
+    with embedded_farm.session() as session:
+        report = gc.collect(
+            session,
+            embedded_farm.store,
+            DAYS,
+            batch_size=3,
+            on_blob=lambda c: listed.append(c.cache_key),
+        )
+    assert listed == [b.cache_key for b in old]
+    # Streamed to the caller: the report keeps the totals, not the rows.
+    assert (report.blobs, report.blob_count, report.bytes) == (
+        [],
+        7,
+        sum(b.size_bytes for b in old),
+    )
+    assert (report.objects_deleted, report.objects_kept, report.pending, report.errors) == (
+        7,
+        0,
+        [],
+        [],
+    )
+    assert blob_keys(embedded_farm) == object_keys(embedded_farm) == {fresh.cache_key}
+    assert pull_count(embedded_farm) == 1
+    records = deletions(embedded_farm)
+    assert [(d.cache_key, d.state, d.pulls) for d in records] == [
+        (b.cache_key, "deleted", 1 if n < 3 else 0) for n, b in enumerate(old)
+    ]
+
+
+def test_a_blob_pulled_after_gc_listed_it_is_left_with_its_pulls(embedded_farm, model_id):
+    idle = add_blob(embedded_farm, model_id, key("idle"), created_at=days_ago(10))
+    revived = add_blob(embedded_farm, model_id, key("revived"), created_at=days_ago(10))
+    at = now()
+    with embedded_farm.session() as session:
+        listed = list(gc.candidates(session, DAYS, at))
+    assert [c.cache_key for c in listed] == [idle.cache_key, revived.cache_key]
+    with embedded_farm.session() as session:
+        record_pull(session, revived.cache_key, "edge-1", True)  # pulled meanwhile
+    with embedded_farm.session() as session:
+        removed = gc._remove_rows(session, listed, at - timedelta(days=DAYS), DAYS)
+    assert [c.cache_key for c in removed] == [idle.cache_key]
+    assert blob_keys(embedded_farm) == {revived.cache_key}
+    assert pull_count(embedded_farm) == 1
+    assert [(d.cache_key, d.state) for d in deletions(embedded_farm)] == [
+        (idle.cache_key, "pending")
+    ]
+
+
+def test_compile_vs_import_counts_imports_not_downloads(embedded_farm, model_id):
+    """A pull reported ok without an import time (`farm pull`, fleet prefetch) is a download:
+    `compile_vs_import.imports` counts only the pulls that imported."""
+    blob = add_blob(embedded_farm, model_id, key("b"))
+    with embedded_farm.session() as session:
+        record_pull(session, blob.cache_key, "edge-1", True, import_seconds=0.5)
+        record_pull(session, blob.cache_key, "edge-1", True, import_seconds=1.5)
+        record_pull(session, blob.cache_key, "edge-2", True)  # downloaded only
+        record_pull(session, blob.cache_key, "edge-3", False, error="device lost")
+        row = session.execute(
+            text("SELECT imports, import_seconds_avg FROM compile_vs_import")
+        ).one()
+        usage = session.execute(text("SELECT pulls, ok_pulls FROM blob_usage")).one()
+    assert tuple(row) == (2, 1.0)
+    assert tuple(usage) == (4, 3)

@@ -1,15 +1,28 @@
-"""Keyset pagination of the job and blob lists: every row once, in order, however the pages
-fall, including rows that share a timestamp; a cursor this server did not hand out is bad input."""
+"""Keyset pagination of the job, blob, worker and token lists: every row once, in order,
+however the pages fall, including rows that share a timestamp; a cursor this server did not
+hand out is bad input; a page's shared reads (model names, live workers) are one query each."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import event
 
+from farm.server import routing
 from farm.server.blobs.service import list_blobs, page_cursor
+from farm.server.db.models import Worker
 from farm.server.jobs.service import list_jobs
-from farm.server.pagination import InvalidCursor, blob_cursor, encode, job_cursor
+from farm.server.pagination import (
+    InvalidCursor,
+    after_worker,
+    blob_cursor,
+    encode,
+    job_cursor,
+    worker_cursor,
+)
+from farm.server.tokens import create_token, list_tokens
+from farm.server.views import job_views, workers_view
 from tests.unit.conftest import add_blob, add_job, add_model, key
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -97,3 +110,78 @@ def test_a_blob_cursor_the_server_did_not_hand_out_is_bad_input(embedded_farm, c
 def test_a_job_cursor_for_another_list_is_bad_input(served_farm):
     with served_farm.session() as session, pytest.raises(InvalidCursor, match="is not"):
         list_jobs(session, cursor=blob_cursor(T0, 3))
+
+
+def _register(farm, name: str, queues: list[str], heartbeat_at=None) -> None:
+    with farm.session() as session:
+        routing.register_worker(
+            session,
+            name=name,
+            host="h",
+            pid=1,
+            targets={"CPU": None},
+            queues=queues,
+            openvino_version="2026.4.1",
+            memory_bytes=2**33,
+        )
+        if heartbeat_at is not None:
+            row = session.get(Worker, name)
+            row.heartbeat_at = heartbeat_at
+            session.commit()
+
+
+def test_worker_pages_hold_every_worker_once_by_name(served_farm):
+    names = [f"w{n}@host|{n}" for n in (3, 1, 4, 0, 2)]  # a '|' in a name survives the cursor
+    for name in names:
+        _register(served_farm, name, ["compile.cpu"])
+    pages, after = [], None
+    while True:
+        with served_farm.session() as session:
+            rows = workers_view(session, 60, 2, after)
+        pages.append([row["name"] for row in rows])
+        if len(rows) < 2:
+            break
+        after = after_worker(worker_cursor(rows[-1]["name"]))
+    assert pages == [sorted(names)[0:2], sorted(names)[2:4], sorted(names)[4:]]
+
+
+def test_tokens_are_read_a_page_at_a_time(served_farm):
+    with served_farm.session() as session:
+        for n in range(5):
+            create_token(session, f"t{n}", "pull")
+        first = list_tokens(session, 2)
+        rest = list_tokens(session, 10, first[-1].id)
+    assert [t.name for t in first + rest] == [f"t{n}" for n in range(5)]
+
+
+def test_a_page_of_jobs_reads_names_and_notes_in_a_fixed_number_of_queries(served_farm):
+    """Waiting notes and model names for a page: the same queries for 2 jobs as for 30."""
+    model = add_model(served_farm, "resnet.xml")
+    _register(served_farm, "live@host", ["compile.cpu"])
+    _register(served_farm, "gone@host", ["compile.npu"], heartbeat_at=T0)
+    served = [add_job(served_farm, model, n) for n in range(15)]
+    waiting = [add_job(served_farm, model, 100 + n, queue="compile.npu") for n in range(15)]
+
+    def page(limit: int) -> tuple[list[dict], int]:
+        statements: list[str] = []
+        engine = served_farm.sessions.kw["bind"]
+
+        def record(conn, cursor, statement, *args) -> None:
+            statements.append(statement)
+
+        with served_farm.session() as session:
+            jobs = list_jobs(session, limit=limit)
+            event.listen(engine, "before_cursor_execute", record)
+            try:
+                views = job_views(session, jobs, 60)
+            finally:
+                event.remove(engine, "before_cursor_execute", record)
+        return views, len(statements)
+
+    _, few_queries = page(2)
+    every, every_queries = page(30)
+    assert few_queries == every_queries == 2  # model names, live workers
+    notes = {view["id"]: view["note"] for view in every}
+    assert {view["model_name"] for view in every} == {"resnet.xml"}
+    assert [job for job in served if notes[job]] == []
+    assert all("queue compile.npu" in notes[job] for job in waiting)

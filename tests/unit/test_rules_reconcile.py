@@ -362,3 +362,27 @@ def test_two_reconcilers_never_handle_one_job(tmp_path, monkeypatch, postgres_ur
         assert get_job(farm, free).state == "queued"
     finally:
         close_farm(farm)
+
+
+def test_a_waiting_backlog_is_resent_with_a_per_job_backoff(served_farm, model_id, stub):
+    """A job is re-sent once its last message is older than the job was when it was sent
+    (doubling intervals), at least FARM_RESEND_AFTER_SECONDS apart and at most an hour."""
+    due = add_job(served_farm, model_id, 1, created_at=ago(minutes=60), sent_at=ago(minutes=45))
+    waiting = add_job(served_farm, model_id, 2, created_at=ago(minutes=60), sent_at=ago(minutes=20))
+    capped = add_job(served_farm, model_id, 3, created_at=ago(hours=10), sent_at=ago(minutes=61))
+    capped_recent = add_job(
+        served_farm, model_id, 4, created_at=ago(hours=10), sent_at=ago(minutes=50)
+    )
+    floor = add_job(served_farm, model_id, 5, created_at=ago(minutes=4), sent_at=ago(minutes=3))
+    untouched = {job: columns(served_farm, job) for job in (waiting, capped_recent, floor)}
+    at = now()
+    report = run(served_farm, stub)
+    assert sorted(report.resent) == [due, capped]
+    assert sorted(stub.sent) == [(due, "compile.cpu"), (capped, "compile.cpu")]
+    assert get_job(served_farm, due).sent_at >= at
+    assert get_job(served_farm, capped).sent_at >= at
+    assert {job: columns(served_farm, job) for job in untouched} == untouched
+    # The next pass re-sends neither: each message is now younger than its job was.
+    stub.sent.clear()
+    assert run(served_farm, stub) == ReconcileReport()
+    assert stub.sent == []

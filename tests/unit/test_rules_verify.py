@@ -281,3 +281,33 @@ def test_an_admin_deletes_only_a_quarantined_blob(embedded_farm):
         deletion = session.scalars(select(BlobDeletion)).one()
         assert deletion.reason == "deleted by root@host after quarantine: bad numbers"
     assert not embedded_farm.store.exists(blob_storage_key(key(1)))
+
+
+def test_gc_deletes_a_blobs_reference_object_with_it(embedded_farm, tmp_path):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from farm.server.blobs import gc
+    from farm.server.storage import reference_storage_key
+
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    source = tmp_path / "r.npz"
+    source.write_bytes(b"reference")
+    stored = embedded_farm.store.put_file(reference_storage_key(key(1), "e" * 64), source)
+    with embedded_farm.session() as session:
+        session.execute(
+            update(Blob)
+            .where(Blob.id == blob.id)
+            .values(
+                reference_sha256="e" * 64,
+                reference_size_bytes=stored.size,
+                created_at=blob.created_at - timedelta(days=40),
+            )
+        )
+        session.commit()
+        report = gc.collect(session, embedded_farm.store, unpulled_days=30)
+        deletion = session.scalars(select(BlobDeletion)).one()
+    assert report.blob_count == 1 and deletion.state == "deleted"
+    assert deletion.reference_storage_key == reference_storage_key(key(1), "e" * 64)
+    assert not embedded_farm.store.exists(reference_storage_key(key(1), "e" * 64))

@@ -25,7 +25,7 @@ from farm.core.identity import ModelRef
 from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
-from farm.server import doctor, tokens
+from farm.server import doctor, pagination, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
@@ -40,6 +40,7 @@ from farm.server.storage import model_storage_key, reference_storage_key
 from farm.server.views import (
     blob_dict,
     job_dict,
+    job_rows,
     job_view,
     log_view,
     verification_dict,
@@ -135,7 +136,7 @@ class Direct:
             with self._session() as session:
                 rows = jobs.list_jobs(session, limit=size, cursor=cursor, **filters)
                 following = job_cursor(rows[-1].id) if len(rows) == size else None
-                return [job_dict(job) for job in rows], following
+                return job_rows(session, rows), following
 
         return _pages(page, limit)
 
@@ -154,8 +155,16 @@ class Direct:
             return job_dict(job) if job else None
 
     def workers(self) -> list[dict[str, Any]]:
-        with self._session() as session:
-            return workers_view(session, self.farm.settings.worker_heartbeat_seconds)
+        heartbeat = self.farm.settings.worker_heartbeat_seconds
+
+        def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
+            after = pagination.after_worker(cursor) if cursor else None
+            with self._session() as session:
+                rows = workers_view(session, heartbeat, size, after)
+            following = pagination.worker_cursor(rows[-1]["name"]) if len(rows) == size else None
+            return rows, following
+
+        return _pages(page, None)
 
     # --- blobs (also the edge agent's source in embedded mode) ---------------------------------
 
@@ -260,10 +269,19 @@ class Direct:
                 dispatcher.close()
         return asdict(report)
 
-    def collect_garbage(self, unpulled_days: int, dry_run: bool) -> gc.GcReport:
+    def collect_garbage(
+        self,
+        unpulled_days: int,
+        dry_run: bool,
+        on_blob: Callable[[gc.Candidate], None] | None = None,
+    ) -> gc.GcReport:
+        """`farm gc`; `on_blob` is called with each blob as gc goes (the report then keeps
+        only totals: constant memory however many there are)."""
         with self._session() as session:
             grace = self.farm.settings.model_grace_seconds
-            return gc.collect(session, self.farm.store, unpulled_days, dry_run, grace)
+            return gc.collect(
+                session, self.farm.store, unpulled_days, dry_run, grace, on_blob=on_blob
+            )
 
     def resign_blobs(self, accept_unverified: bool) -> resign.ResignReport:
         """`farm keys resign`: every blob's manifest signed with this host's FARM_SIGNING_KEY,
@@ -283,8 +301,15 @@ class Direct:
             return tokens.revoke_token(session, name)
 
     def list_tokens(self) -> list[ApiToken]:
-        with self._session() as session:
-            return tokens.list_tokens(session)
+        """Every token by id, read a page at a time."""
+        found: list[ApiToken] = []
+        while True:
+            with self._session() as session:
+                after = found[-1].id if found else 0
+                page = tokens.list_tokens(session, MAX_PAGE, after)
+            found += page
+            if len(page) < MAX_PAGE:
+                return found
 
     def close(self) -> None:
         pass

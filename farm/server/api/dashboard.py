@@ -6,12 +6,19 @@ answer sets it as a cookie: HttpOnly (page scripts cannot read it), SameSite=Lax
 forms do not carry it; every dashboard request that carries it is a read-only GET), Secure
 when served over HTTPS, scoped to /dashboard, and short-lived. Every request checks the token
 against the database like a bearer token, so `farm token revoke` takes effect at once. It needs
-the `submit` role: the page shows what `GET /v1/jobs` and `/v1/workers` show that role. A bearer
-header works as well, for curl or an authenticating proxy in front.
+the `submit` role: the page shows what `GET /v1/jobs` and `/v1/workers` show that role (a valid
+token without it, an edge's pull token, gets 403, not the login page). A bearer header works as
+well, for curl or an authenticating proxy in front.
+
+At scale (a million blobs and jobs) the page reads only the rows it shows: one page of jobs and
+of blobs (keyset queries on their indexes), the pulls of the blobs shown, the models of the rows
+shown, and the workers up to the same limit; the summary cards count whole tables, so they come
+from a per-process cache refreshed in the background (`FARM_METRICS_CACHE_SECONDS`).
 """
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
@@ -20,11 +27,13 @@ from sqlalchemy import func, select
 
 from farm.server import routing
 from farm.server.api import dashboard_html as html
+from farm.server.api.cached import Cached
 from farm.server.api.deps import farm_of
 from farm.server.blobs import service as blob_service
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
 from farm.server.tokens import Caller, TokenExpired, authenticate
+from farm.server.views import model_names
 
 COOKIE = "farm_dashboard"
 COOKIE_SECONDS = 8 * 3600
@@ -34,14 +43,19 @@ ROLE = "submit"
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
 
-def _caller(request: Request, token: str | None) -> Caller | None:
+def _authenticated(request: Request, token: str | None) -> Caller | None:
+    """The token's caller, whatever its role; None: no token, or unknown, revoked, expired."""
     if not token:
         return None
     with farm_of(request).session() as session:
         try:
-            caller = authenticate(session, token)
+            return authenticate(session, token)
         except TokenExpired:
             return None
+
+
+def _caller(request: Request, token: str | None) -> Caller | None:
+    caller = _authenticated(request, token)
     if caller is None or not caller.may(ROLE):
         return None
     return caller
@@ -106,9 +120,17 @@ def dashboard(
     limit: int = Query(50, ge=1, le=500),
     workers: str | None = Query(None, pattern="^(|all)$"),
 ) -> Response:
-    caller = _caller(request, _token_of(request))
+    caller = _authenticated(request, _token_of(request))
     if caller is None:
         return RedirectResponse("/dashboard/login", 303)
+    if not caller.may(ROLE):  # signing in again would not help: say why
+        return _page(
+            html.message(
+                f"token {caller.name!r} has the {caller.role!r} role; the dashboard needs "
+                f"{ROLE!r} or 'admin'"
+            ),
+            403,
+        )
     if not request.app.state.limiter.allow(caller.name):
         return _page(html.message("too many requests for this token; retry in a minute"), 429)
     farm = farm_of(request)
@@ -119,28 +141,40 @@ def dashboard(
         )
         blobs = blob_service.list_blobs(session, target or None, limit)
         pulls = _pull_counts(session, [b.id for b in blobs])
-        live = {
-            w.name for w in routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
-        }
-        shown = [w for w in routing.all_workers(session) if workers == "all" or w.name in live]
-        summary = {
-            "states": dict(
-                session.execute(select(Job.state, func.count()).group_by(Job.state)).all()
-            ),
-            "blobs": session.execute(select(func.count(), func.sum(Blob.size_bytes))).one(),
-            "live_workers": len(live),
-        }
+        running = routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
+        live = {w.name for w in running}
+        shown = routing.workers_page(session, limit) if workers == "all" else running[:limit]
         body = html.dashboard(
             caller.name,
             filters,
             limit,
             workers == "all",
-            summary,
-            html.jobs_table(jobs),
+            {**_summary(request), "live_workers": len(live)},
+            html.jobs_table(jobs, model_names(session, jobs)),
             html.blobs_table(blobs, pulls),
             html.workers_table(shown, live),
         )
     return _page(body)
+
+
+def _summary(request: Request) -> dict[str, Any]:
+    """Jobs by state, blobs and their bytes: whole-table counts, from the process's cache."""
+    app = request.app
+    if getattr(app.state, "dashboard_summary", None) is None:
+        farm = farm_of(request)
+
+        def count() -> dict[str, Any]:
+            with farm.session() as session:
+                states = session.execute(select(Job.state, func.count()).group_by(Job.state))
+                return {
+                    "states": dict(states.tuples().all()),
+                    "blobs": tuple(
+                        session.execute(select(func.count(), func.sum(Blob.size_bytes))).one()
+                    ),
+                }
+
+        app.state.dashboard_summary = Cached(count, farm.settings.metrics_cache_seconds)
+    return app.state.dashboard_summary.get()
 
 
 def _pull_counts(session, blob_ids: list[int]) -> dict[int, tuple[int, object]]:

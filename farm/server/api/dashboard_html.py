@@ -90,10 +90,11 @@ def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def jobs_table(jobs: Iterable) -> str:
+def jobs_table(jobs: Iterable, model_names: Mapping[int, str]) -> str:
     rows = (
         [
             _td(job.id, num=True),
+            _td(model_names.get(job.model_id)),
             _td(job.target),
             f'<td><span class="state state-{escape(job.state)}">{escape(job.state)}</span></td>',
             _td(job.queue),
@@ -104,7 +105,10 @@ def jobs_table(jobs: Iterable) -> str:
         ]
         for job in jobs
     )
-    headers = ("job", "target", "state", "queue", "submitter", "created", "compile s", "error")
+    headers = [
+        *("job", "model", "target", "state", "queue", "submitter", "created", "compile s"),
+        "error",
+    ]
     return _table(headers, rows, "no jobs match")
 
 
@@ -112,6 +116,7 @@ def blobs_table(blobs: Iterable, pulls: Mapping[int, tuple[int, Any]]) -> str:
     rows = (
         [
             f"<td><code>{escape(blob.cache_key[:16])}</code></td>",
+            _td(blob.model.name),
             _td(blob.target),
             _td(blob.openvino_version),
             _td(_size(blob.size_bytes), num=True),
@@ -123,7 +128,10 @@ def blobs_table(blobs: Iterable, pulls: Mapping[int, tuple[int, Any]]) -> str:
         ]
         for blob in blobs
     )
-    headers = ("cache key", "target", "OpenVINO", "size", "compile s", "pulls", "last pull")
+    headers = [
+        *("cache key", "model", "target", "OpenVINO", "size", "compile s", "pulls"),
+        "last pull",
+    ]
     return _table((*headers, "created", "verification"), rows, "no blobs match")
 
 

@@ -3,6 +3,10 @@
 Every number comes from the database, not from counters in this process, so each API replica
 answers the same and a restart loses nothing. Counters stay monotonic because jobs are never
 deleted and `farm gc` keeps the count of the pull reports it deletes (`blob_deletions.pulls`).
+
+The numbers aggregate whole tables (a million jobs, five million pulls: seconds of database
+work), so each process computes them at most every `FARM_METRICS_CACHE_SECONDS`, in the
+background, and a scrape gets the last text at once (`farm.server.api.cached`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core.clock import now
 from farm.core.vocabulary import JOB_STATES, JobState
+from farm.server.api.cached import Cached
 from farm.server.api.deps import caller_with, farm_of
 from farm.server.db.models import Blob, BlobDeletion, Job, Pull, Verification, Worker
 from farm.server.routing import MISSED_HEARTBEATS
@@ -187,11 +192,13 @@ def registry_for(sessions: sessionmaker[Session], heartbeat_seconds: int) -> Col
 
 @router.get("/metrics", tags=["health"], response_class=Response)
 def metrics(request: Request, _: Caller = any_role) -> Response:
-    """Prometheus text format. Needs a token (any role): scrape with `authorization`."""
+    """Prometheus text format. Needs a token (any role): scrape with `authorization`. The
+    numbers are at most `FARM_METRICS_CACHE_SECONDS` (plus one computation) old."""
     app = request.app
-    if getattr(app.state, "metrics_registry", None) is None:
+    if getattr(app.state, "metrics_text", None) is None:
         farm = farm_of(request)
-        app.state.metrics_registry = registry_for(
-            farm.sessions, farm.settings.worker_heartbeat_seconds
+        registry = registry_for(farm.sessions, farm.settings.worker_heartbeat_seconds)
+        app.state.metrics_text = Cached(
+            lambda: generate_latest(registry), farm.settings.metrics_cache_seconds
         )
-    return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(app.state.metrics_text.get(), media_type=CONTENT_TYPE_LATEST)

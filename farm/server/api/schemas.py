@@ -105,6 +105,7 @@ class SubmissionRequest(Strict):
 
 class JobOut(BaseModel):
     id: int
+    model_name: str | None = Field(None, description="The model's file name (display only).")
     cache_key: str
     target: str
     toolchain: dict[str, Any] = Field(description="The toolchain it compiles for (its key part).")
@@ -145,6 +146,8 @@ class BlobOut(BaseModel):
     target: str
     model: dict[str, str]
     """sha256 of each model file by role: an edge checks a weightless blob's .bin with it."""
+    model_name: str | None = None
+    """The model's file name at first submission (display only, not identity)."""
     openvino: str
     toolchain: dict[str, Any]
     size_bytes: int

@@ -102,6 +102,11 @@ def _retire(session: Session, store: BlobStore, blob: Blob, why: str) -> None:
             deleted_at=at,
             state="deleted",
             object_deleted_at=at,
+            reference_storage_key=(
+                reference_storage_key(blob.cache_key, blob.reference_sha256)
+                if blob.reference_sha256
+                else None
+            ),
         )
     )
     session.execute(

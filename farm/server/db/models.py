@@ -31,6 +31,7 @@ from sqlalchemy.types import TypeDecorator
 from farm.core.vocabulary import ACTIVE_STATES, JOB_STATES
 
 _ACTIVE_SQL = f"state IN ({', '.join(repr(str(s)) for s in ACTIVE_STATES)})"
+_FAILED_PULL_SQL = "NOT ok"
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -85,6 +86,7 @@ class Model(Base):
     __table_args__ = (
         *sha256_checks("digest"),
         CheckConstraint("format IN ('ir', 'onnx')", name="format"),
+        Index("ix_models_name", "name"),  # 0012: `farm jobs --model NAME`
         {
             "comment": "A model submitted to the farm, identified by the digests of its files. "
             "Inserted on first submission; never updated or deleted."
@@ -124,6 +126,12 @@ class Job(Base):
             postgresql_where=text(_ACTIVE_SQL),
         ),
         Index("ix_jobs_state_target", "state", "target"),
+        # Migration 0012 (the catalog at scale; plans in docs/schema.md, Indexes): each list
+        # filter walks its own index newest first, and worker_status counts by index.
+        Index("ix_jobs_cache_key_id", "cache_key", "id"),
+        Index("ix_jobs_model_id_id", "model_id", "id"),
+        Index("ix_jobs_submitter_id", "submitter", "id"),
+        Index("ix_jobs_worker_state", "worker", "state"),
         {
             "comment": "A request to produce the blob of one cache key, and what became of it. "
             "Inserted on submit; state, lease and timing columns change while it runs; "
@@ -215,6 +223,9 @@ class Blob(Base):
         CheckConstraint(
             "(quarantined_at IS NULL) = (quarantine_reason IS NULL)", name="quarantine_has_reason"
         ),
+        # Migration 0012: pages of the blob list, newest first, all or per target.
+        Index("ix_blobs_created_at_id", "created_at", "id"),
+        Index("ix_blobs_target_created_at_id", "target", "created_at", "id"),
         {
             "comment": "A compiled blob in storage. Inserted once, after its upload is verified; "
             "only its signature columns are updated, by `farm keys resign`, and its quarantine, "
@@ -300,6 +311,16 @@ class Pull(Base):
     __tablename__ = "pulls"
     __table_args__ = (
         *sha256_checks("cache_key"),
+        # Migration 0012: a blob's pull count, last pull and failures from the index alone
+        # (gc, blob_usage, the dashboard), and the foreign-key check when gc deletes a blob.
+        Index("ix_pulls_blob_id_created_at_ok", "blob_id", "created_at", "ok"),
+        # The README's "failed imports", newest first, without reading every pull.
+        Index(
+            "ix_pulls_failed_created_at",
+            "created_at",
+            sqlite_where=text(_FAILED_PULL_SQL),
+            postgresql_where=text(_FAILED_PULL_SQL),
+        ),
         {
             "comment": "One edge download and import of a blob, as the edge reported it. "
             "Inserted per report; never updated; deleted with its blob by `farm gc`."
@@ -481,4 +502,7 @@ class BlobDeletion(Base):
     )
     object_deleted_at: Mapped[datetime | None] = mapped_column(
         comment="When the object was deleted from storage (or kept), UTC; null while pending."
+    )
+    reference_storage_key: Mapped[str | None] = mapped_column(
+        Text, comment="Object key of its reference outputs, deleted with it; null: none."
     )

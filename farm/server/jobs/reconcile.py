@@ -4,28 +4,44 @@ Runs periodically (Celery beat → the `control` queue) or as `farm reconcile`. 
 - fails jobs that used up their attempts (every claim counts: a worker that died, an
   infrastructure error) or waited in the queue past the maximum;
 - takes back running jobs whose lease expired (their worker died) and re-sends them;
-- re-sends queued jobs whose message is older than `resend_after_seconds` (a lost message);
+- re-sends queued jobs whose message may be lost (below);
 - aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long).
 On PostgreSQL, rows are taken with FOR UPDATE SKIP LOCKED so two reconcilers never collide.
+
+Which queued jobs are re-sent. A message is lost only when the broker loses it (a Redis restart
+without its AOF, a flushed queue); a job that is merely waiting behind a backlog still has its
+message in the queue, and re-sending it every `resend_after_seconds` re-sent the whole backlog
+on every beat (measured: 2,617 queued jobs, 27 s of publishes and commits per pass, and as many
+duplicate messages each time). The broker could be asked what its queue holds, but that ties
+the rule to Redis and reads the whole backlog per pass. So the rule backs off per job, from the
+columns it already has: a job is re-sent when its last message (`sent_at`) is older than the
+job was when that message was sent (`sent_at - created_at`), at least `resend_after_seconds`
+and at most `RESEND_BACKOFF_MAX` — the intervals double, 5, 5, 10, 20, 40 min... then hourly.
+A lost message is still found (within an hour, at worst), a never-sent job or one taken back
+is sent at once, and a waiting backlog of N jobs costs about log2 of its wait in re-sends per
+job instead of one per beat. Sends are recorded with one UPDATE per pass, not a commit each.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.vocabulary import JobState
 from farm.server.db.models import Job
-from farm.server.jobs.dispatch import Dispatcher, dispatch
+from farm.server.jobs.dispatch import Dispatcher
 from farm.server.storage import AbortsStaleUploads, BlobStore
 
 log = logging.getLogger(__name__)
+
+RESEND_BACKOFF_MAX = timedelta(hours=1)
+"""The longest a queued job waits between re-sends of its message (the backoff's ceiling)."""
 
 
 @dataclass
@@ -95,6 +111,7 @@ def reconcile(
         report.taken_back.append(job.id)
     session.commit()
 
+    resend_after = timedelta(seconds=settings.resend_after_seconds)
     stale = _lock(
         session,
         select(Job).where(
@@ -102,23 +119,43 @@ def reconcile(
             Job.queue != "embedded",
             or_(
                 Job.sent_at.is_(None),
-                Job.sent_at < at - timedelta(seconds=settings.resend_after_seconds),
+                Job.sent_at < at - resend_after,
                 Job.id.in_(report.taken_back),
             ),
         ),
     )
-    resend = [(job.id, job.queue) for job in stale]
+    resend = [
+        (job.id, job.queue)
+        for job in stale
+        if job.id in report.taken_back or may_be_lost(job, at, resend_after)
+    ]
     session.commit()
-    if dispatcher is not None:
-        for job_id, queue in resend:
-            dispatch(session, dispatcher, job_id, queue)
-            report.resent.append(job_id)
+    if dispatcher is not None and resend:
+        try:
+            for job_id, queue in resend:
+                dispatcher.send(job_id, queue)
+                report.resent.append(job_id)
+        finally:  # what was sent is recorded, even if the broker failed part way
+            if report.resent:
+                session.execute(update(Job).where(Job.id.in_(report.resent)).values(sent_at=now()))
+                session.commit()
 
     if isinstance(store, AbortsStaleUploads):
         report.aborted_uploads = store.abort_stale_uploads(
             timedelta(seconds=settings.stale_upload_seconds)
         )
     return report
+
+
+def may_be_lost(job: Job, at: datetime, resend_after: timedelta) -> bool:
+    """Whether a queued job's message is due for a re-send at `at` (the module's rule): never
+    sent, or sent longer ago than the job's age at that send, bounded by `resend_after` and
+    `RESEND_BACKOFF_MAX`."""
+    if job.sent_at is None:
+        return True
+    age_when_sent = max(job.sent_at - job.created_at, timedelta(0))
+    wait = min(max(age_when_sent, resend_after), max(RESEND_BACKOFF_MAX, resend_after))
+    return at - job.sent_at >= wait
 
 
 def _lock(session: Session, query) -> list[Job]:

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from farm.core import hashing
 from farm.core.clock import now
@@ -341,7 +341,8 @@ def list_jobs(
     """Newest first, at most `limit`. `model` is a model digest or a model's file name; a
     `since` without a time zone is UTC; `cursor` (`pagination.job_cursor` of the last job of
     the page before) continues after that job."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    # A list never shows the compiler's log, which may be megabytes a job: not read at all.
+    query = select(Job).options(defer(Job.log)).order_by(Job.id.desc()).limit(limit)
     if cursor:
         query = query.where(Job.id < pagination.after_job(cursor))
     if state:

@@ -34,7 +34,7 @@ def reference_storage_key(cache_key: str, sha256: str) -> str:
     """The blob's reference outputs (`farm.core.reference`): inputs and CPU f32 outputs, under
     their own digest. Two compiles of one key may make references that differ in their last
     bits (another CPU, other inputs); the store is write-once, so a leftover of an earlier one
-    must never block the next."""
+    must never block the next. `farm gc` builds the same key in SQL (farm/server/blobs/gc.py)."""
     return f"references/{cache_key}/{sha256}.npz"
 
 
