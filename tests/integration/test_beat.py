@@ -42,7 +42,13 @@ def test_the_embedded_beat_dies_with_its_worker(served, tmp_path):
     wait_until(lambda: "beat: Starting..." in served.worker_log("beat"), 60, "the beat")
     wait_until(lambda: len(children(worker.pid)) == 2, 30, "the pool process and the beat")
     spawned = children(worker.pid)
-    names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in spawned]
+
+    def comms() -> list[str]:
+        return [Path(f"/proc/{pid}/comm").read_text().strip() for pid in spawned]
+
+    # The beat names itself when its init signal runs, a moment after it logs its start.
+    wait_until(lambda: "farm beat" in comms(), 30, "the beat's process name")
+    names = comms()
     assert names.count("farm beat") == 1  # the beat (the other: the pool process)
 
     served.workers.pop("beat")

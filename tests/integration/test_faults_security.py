@@ -274,7 +274,9 @@ def test_s3_unreachable_during_an_edge_download(tmp_path, served_env):
         broken = pull()
         assert broken.returncode == 5, broken.stderr  # infrastructure
         (line,) = broken.stderr.strip().splitlines()
-        assert line.startswith("farm: error: ") and f"127.0.0.1:{proxy.port}" in line, line
+        error = json.loads(line)  # with --json, the error is one JSON object on stderr
+        assert (error["code"], error["exit"]) == ("unreachable", 5), line
+        assert f"127.0.0.1:{proxy.port}" in error["message"], line
         assert proxy.cuts == 1
         # The cache holds no blob and nothing half-written outside partial/.
         partial = cache / "blobs" / "partial" / blob.cache_key

@@ -128,7 +128,9 @@ def list_verifications(
     farm: Farm,
     _: SubmitCaller,
     limit: int = Query(100, ge=1, le=MAX_PAGE),
-    before: int | None = Query(None, ge=1, description="Only those with an id below this."),
+    before: int | None = Query(
+        None, ge=1, le=2**62, description="Only those with an id below this."
+    ),
 ) -> list[dict[str, Any]]:
     """The newest verifications of the blobs stored under `cache_key` (rebuilt ones too), a
     page at a time: the next page is `before=<the last id>`. 404 for a key never stored."""
