@@ -600,18 +600,32 @@ def test_submit_alone_answers_a_hit(embedded_farm, ref):
 # --- model files and rows --------------------------------------------------------------------
 
 
-def test_a_file_unchanged_since_it_was_hashed_is_stored_by_its_version(embedded_farm, ref):
-    versioned = ModelRef(
-        ref.files,
-        ref.identity,
-        ref.name,
-        {role: file_version(path) for role, path in ref.files.items()},
-    )
-    service.upload_model_files(embedded_farm.store, versioned)
+def versioned(ref: ModelRef) -> ModelRef:
+    """`ref` as `ModelRef.from_path` makes it: each file's version taken when it was hashed."""
+    versions = {role: file_version(path) for role, path in ref.files.items()}
+    return ModelRef(ref.files, ref.identity, ref.name, versions)
+
+
+def test_a_file_unchanged_since_it_was_hashed_is_copied_without_hashing_it_again(
+    embedded_farm, ref, monkeypatch
+):
+    def no_rehash(*args, **kwargs):
+        raise AssertionError("an unchanged file was read and hashed again")
+
+    monkeypatch.setattr(embedded_farm.store, "put_file", no_rehash)
+    service.upload_model_files(embedded_farm.store, versioned(ref))
     assert stored_models(embedded_farm) == sorted(ref.identity.values())
     for role, path in ref.files.items():
         stored = embedded_farm.store.root / model_storage_key(ref.identity[role])
         assert stored.read_bytes() == path.read_bytes()
+
+
+def test_a_file_changed_since_it_was_hashed_is_checked_against_its_digest(embedded_farm, ref):
+    model = versioned(ref)
+    ref.files["bin"].write_bytes(b"weights rewritten after hashing")
+    with pytest.raises(ChecksumMismatch):
+        service.upload_model_files(embedded_farm.store, model)
+    assert ref.identity["bin"] not in stored_models(embedded_farm)
 
 
 def test_losing_the_model_insert_race_answers_the_winners_row(embedded_farm, ref):
