@@ -179,3 +179,53 @@ def test_a_cpu_toolchain_without_runtime_requirements_is_refused():
     ) as raised:
         Toolchain("2025.3.0").key_part(CompileSpec.create("CPU").target)
     assert str(raised.value) == "a CPU toolchain needs its RUNTIME_REQUIREMENTS string"
+
+
+# --- toolchain files and summaries -----------------------------------------------------------
+
+CPU_ENTRY = {
+    "target": "CPU",
+    "openvino": "2026.4.1",
+    "openvino_build": "2026.4.1-1234",
+    "npu_compiler": None,
+    "runtime_requirements": "meta=1.0;ov=2026.4.1",
+}
+NPU_ENTRY = {"target": "NPU.4000", "openvino": "2026.4.1", "npu_compiler": "7.4.0"}
+
+
+def test_a_toolchain_file_of_one_entry_per_target_is_merged():
+    """`farm toolchain --json` prints one entry per target: the release they share, the build
+    and runtime requirements of the CPU entry, the compiler of the NPU entry."""
+    expected = Toolchain("2026.4.1", "2026.4.1-1234", "7.4.0", "meta=1.0;ov=2026.4.1")
+    assert Toolchain.from_json([NPU_ENTRY, CPU_ENTRY]) == expected
+    assert Toolchain.from_json([CPU_ENTRY, NPU_ENTRY]) == expected
+
+
+def test_a_toolchain_file_of_one_object_is_that_toolchain():
+    assert Toolchain.from_json(NPU_ENTRY) == Toolchain("2026.4.1", npu_compiler="7.4.0")
+    assert Toolchain.from_json({"openvino": "2026.4.1", "openvino_build": "b"}) == Toolchain(
+        "2026.4.1", openvino_build="b"
+    )
+
+
+@pytest.mark.parametrize(
+    "data", [[], {}, [CPU_ENTRY, "NPU"], [{"openvino": ""}], {"npu_compiler": "7.4.0"}, "2026.4.1"]
+)
+def test_anything_else_is_not_a_toolchain_file(data):
+    with pytest.raises(SpecError) as raised:
+        Toolchain.from_json(data)
+    assert str(raised.value) == "a toolchain file holds what `farm toolchain --json` prints"
+
+
+def test_a_toolchain_file_names_one_release():
+    with pytest.raises(SpecError) as raised:
+        Toolchain.from_json([CPU_ENTRY, {**NPU_ENTRY, "openvino": "2025.4.0"}])
+    assert str(raised.value) == (
+        "a toolchain file names one OpenVINO release, not ['2025.4.0', '2026.4.1']"
+    )
+
+
+def test_a_summary_is_the_target_and_the_flags_that_differ():
+    spec = CompileSpec.create("npu4000", tiles=4, performance_hint="latency", batch=2)
+    assert spec.summary() == "NPU.4000 --tiles 4 --hint LATENCY --batch 2"
+    assert CompileSpec.create("cpu").summary() == "CPU"
