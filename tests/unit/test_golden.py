@@ -210,6 +210,56 @@ def test_the_signature_is_base64_of_64_bytes(signer):
     assert len(base64.b64decode(GOLDEN_V2, validate=True)) == 64
 
 
+REFERENCE_SHA256, REFERENCE_SIZE = "4" * 64, 1234
+GOLDEN_REFERENCE_MESSAGE = (
+    b"farm-blob-reference-v1\n"
+    b'{"cache_key":"' + CACHE_KEY.encode() + b'","reference_sha256":"' + b"4" * 64 + b'",'
+    b'"reference_size":1234,"sha256":"' + SHA256.encode() + b'"}'
+)
+GOLDEN_REFERENCE = (
+    "eF3hWyTAVb7rSiXFj7l03oe19WlVuQ8OlSaO7fxyLhNkgPKwYVQVOGTTNXThfgn825nn00gA/K+6yTMv3V4OBQ=="
+)
+BUMP_REFERENCE = BUMP_SIGNATURE.replace(
+    "farm.core.signing.MANIFEST_VERSION and MANIFEST_DOMAIN (or MESSAGE_VERSION for the v1 "
+    "signature)",
+    "farm.core.signing.REFERENCE_DOMAIN",
+)
+
+
+def test_the_reference_signature(signer):
+    """The signature binding reference outputs to their blob: its own message and domain."""
+    message = signing.reference_message(CACHE_KEY, SHA256, REFERENCE_SHA256, REFERENCE_SIZE)
+    assert message == GOLDEN_REFERENCE_MESSAGE, BUMP_REFERENCE
+    signature = signer.sign_reference(CACHE_KEY, SHA256, REFERENCE_SHA256, REFERENCE_SIZE)
+    assert signature == GOLDEN_REFERENCE, BUMP_REFERENCE
+    record = {
+        "cache_key": CACHE_KEY,
+        "sha256": SHA256,
+        "reference_sha256": REFERENCE_SHA256,
+        "reference_size_bytes": REFERENCE_SIZE,
+        "reference_signature": GOLDEN_REFERENCE,
+        "signing_key_id": GOLDEN_KEY_ID,
+    }
+    TrustedKeys({GOLDEN_KEY_ID: signer.public_key}).verify_reference(record)
+
+
+def test_a_reference_refusal_names_the_blob_by_its_64_character_key(signer):
+    record = {
+        "cache_key": CACHE_KEY + "tail",
+        "sha256": SHA256,
+        "reference_sha256": REFERENCE_SHA256,
+        "reference_size_bytes": REFERENCE_SIZE,
+        "reference_signature": GOLDEN_REFERENCE,
+        "signing_key_id": "0" * 16,
+    }
+    with pytest.raises(SignatureError) as raised:
+        TrustedKeys({GOLDEN_KEY_ID: signer.public_key}).verify_reference(record)
+    assert str(raised.value) == (
+        f"blob {CACHE_KEY} is signed by key {'0' * 16}, which this machine does not trust "
+        f"(trusted: {GOLDEN_KEY_ID}; FARM_TRUSTED_KEYS)"
+    )
+
+
 # --- the blob header -------------------------------------------------------------------------
 
 BUMP_HEADER = (

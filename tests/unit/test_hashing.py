@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from farm.core import hashing
+from farm.core.identity import ModelRef, file_version
 from farm.core.spec import CompileSpec, Toolchain
 from tests.strategies import model_identities, respellings, specs
 
@@ -201,3 +203,33 @@ def test_model_identity_and_digest(tmp_path):
         hashing.model_digest(identity)
         == hashlib.sha256(hashing.canonical_json(identity)).hexdigest()
     )
+
+
+class ChunkRecorder(io.BytesIO):
+    """A stream that records how much each read asks for."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.asked: list[int | None] = []
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self.asked.append(size)
+        return super().read(size)
+
+
+def test_a_stream_is_hashed_in_bounded_chunks_not_read_whole():
+    """An HTTP body may be gigabytes: it is never asked for all at once."""
+    data = b"x" * (2 * hashing.CHUNK_BYTES + 1)
+    stream = ChunkRecorder(data)
+    assert hashing.sha256_stream(stream) == hashlib.sha256(data).hexdigest()
+    assert stream.asked == [hashing.CHUNK_BYTES] * 4
+
+
+def test_a_model_ref_records_each_files_version_before_hashing_it(tmp_path):
+    """The embedded store copies a file without reading it again while its version is the one
+    it was hashed at (`LocalStore.put_version`): without the versions, every upload re-hashes."""
+    (tmp_path / "m.xml").write_bytes(b"xml")
+    (tmp_path / "m.bin").write_bytes(b"bin")
+    ref = ModelRef.from_path(tmp_path / "m.xml")
+    assert ref.versions == {role: file_version(path) for role, path in ref.files.items()}
+    assert set(ref.versions) == {"xml", "bin"}

@@ -386,3 +386,23 @@ def test_a_waiting_backlog_is_resent_with_a_per_job_backoff(served_farm, model_i
     stub.sent.clear()
     assert run(served_farm, stub) == ReconcileReport()
     assert stub.sent == []
+
+
+def test_a_message_is_due_for_a_re_send_exactly_when_its_wait_is_over():
+    """`may_be_lost` to the microsecond: a job sent at creation waits `resend_after`; one sent
+    ten minutes after it was created waits ten minutes (its age at that send); no wait is
+    longer than `RESEND_BACKOFF_MAX`."""
+    resend_after, tick = timedelta(minutes=5), timedelta(microseconds=1)
+    created = now()
+    for age_when_sent, wait in (
+        (timedelta(0), resend_after),
+        (timedelta(minutes=10), timedelta(minutes=10)),
+        (reconcile_module.RESEND_BACKOFF_MAX * 3, reconcile_module.RESEND_BACKOFF_MAX),
+    ):
+        job = Job(created_at=created, sent_at=created + age_when_sent)
+        due = job.sent_at + wait
+        assert reconcile_module.may_be_lost(job, due, resend_after)
+        assert not reconcile_module.may_be_lost(job, due - tick, resend_after)
+    assert reconcile_module.may_be_lost(
+        Job(created_at=created, sent_at=None), created, resend_after
+    )

@@ -5,19 +5,21 @@ new job needs it."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from farm import toolchain
+from farm.core import hashing
 from farm.core.clock import now
 from farm.core.errors import ChecksumMismatch, ModelMissing
-from farm.core.identity import ModelInfo, ModelRef, key_for
+from farm.core.identity import ModelInfo, ModelRef, file_version, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.context import FarmContext
-from farm.server.db.models import Job, Model
+from farm.server.db.models import Blob, Job, Model
 from farm.server.jobs import service
 from farm.server.jobs.dispatch import StubDispatcher
 from farm.server.jobs.runner import claim
@@ -464,3 +466,191 @@ def test_the_embedded_farm_refuses_a_toolchain_it_does_not_have(embedded_farm, s
     assert outcome.outcome == "unavailable"
     assert re.search(r"the submission asks for .*'x'.*--toolchain", outcome.reason or "")
     assert stub.sent == [] and job_ids(embedded_farm) == []
+
+
+def test_an_unavailable_spec_carries_its_cache_key(embedded_farm, stub, ref, monkeypatch):
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    [(_, npu)] = submit(embedded_farm, stub, ref, [NPU], refuse_uncompilable=True).results
+    assert npu == Submission(
+        "unavailable",
+        key_for(ref.identity, NPU, TOOLCHAIN),
+        reason="cannot compile for NPU.4000: no compiler",
+    )
+
+
+def test_a_hit_stays_a_hit_on_a_farm_that_cannot_compile_its_target(
+    embedded_farm, stub, ref, monkeypatch
+):
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    cache_key = blob_for(embedded_farm, ref, NPU)
+    submitted = submit(
+        embedded_farm, stub, ref, [NPU], refuse_uncompilable=True, describe=never_describe
+    )
+    assert submitted.results == [(NPU, Submission("hit", cache_key))]
+
+
+# --- rebuild ---------------------------------------------------------------------------------
+
+
+def quarantine(farm: FarmContext, cache_key: str) -> None:
+    with farm.session() as session:
+        session.execute(
+            update(Blob)
+            .where(Blob.cache_key == cache_key)
+            .values(quarantined_at=now(), quarantine_reason="failed on an edge")
+        )
+        session.commit()
+
+
+def blob_keys(farm: FarmContext) -> list[str]:
+    with farm.session() as session:
+        return sorted(session.scalars(select(Blob.cache_key)))
+
+
+def test_a_rebuild_retires_the_quarantined_blob_and_queues_a_new_job(embedded_farm, stub, ref):
+    store_model(embedded_farm, ref)
+    cache_key = blob_for(embedded_farm, ref, CPU)
+    quarantine(embedded_farm, cache_key)
+    [(_, outcome)] = submit(embedded_farm, stub, ref, [CPU], rebuild=True).results
+    assert (outcome.outcome, outcome.cache_key) == ("queued", cache_key)
+    assert blob_keys(embedded_farm) == []
+    assert stub.sent == [(outcome.job_id, "embedded")]
+
+
+def test_a_rebuild_keeps_the_quarantined_blobs_this_farm_cannot_replace(
+    embedded_farm, stub, ref, monkeypatch
+):
+    """An embedded farm without an NPU compiler retires only the CPU blob: the NPU blob, even
+    quarantined, stays until a farm that can compile it replaces it."""
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)
+    store_model(embedded_farm, ref)
+    cpu_key, npu_key = blob_for(embedded_farm, ref, CPU), blob_for(embedded_farm, ref, NPU)
+    quarantine(embedded_farm, cpu_key)
+    quarantine(embedded_farm, npu_key)
+    submitted = submit(embedded_farm, stub, ref, [CPU, NPU], rebuild=True, refuse_uncompilable=True)
+    (_, cpu), (_, npu) = submitted.results
+    assert (cpu.outcome, cpu.cache_key, npu) == ("queued", cpu_key, Submission("hit", npu_key))
+    assert blob_keys(embedded_farm) == [npu_key]
+    assert stub.sent == [(cpu.job_id, "embedded")]
+
+
+def test_without_refusing_a_rebuild_retires_every_quarantined_blob_of_the_matrix(
+    embedded_farm, stub, ref, monkeypatch
+):
+    monkeypatch.setattr(toolchain, "unavailable_reason", fake_probe)
+    store_model(embedded_farm, ref)
+    keys = [blob_for(embedded_farm, ref, spec) for spec in (CPU, NPU)]
+    for cache_key in keys:
+        quarantine(embedded_farm, cache_key)
+    submitted = submit(embedded_farm, stub, ref, [CPU, NPU], rebuild=True)
+    assert [(s.outcome, s.cache_key) for _, s in submitted.results] == [
+        ("queued", keys[0]),
+        ("queued", keys[1]),
+    ]
+    assert blob_keys(embedded_farm) == []
+
+
+# --- reference inputs ------------------------------------------------------------------------
+
+REFERENCE = b"reference inputs"
+
+
+def store_reference(farm: FarmContext, folder) -> str:
+    path = folder / "inputs.npz"
+    path.write_bytes(REFERENCE)
+    digest = hashlib.sha256(REFERENCE).hexdigest()
+    farm.store.put_file(model_storage_key(digest), path, expected_sha256=digest)
+    return digest
+
+
+def test_a_new_job_records_the_reference_inputs(embedded_farm, stub, ref, tmp_path):
+    digest = store_reference(embedded_farm, tmp_path)
+    [(_, outcome)] = submit(embedded_farm, stub, ref, [CPU], reference_inputs=digest).results
+    assert get_job(embedded_farm, outcome.job_id).reference_inputs == digest
+
+
+def test_submit_records_the_reference_inputs(embedded_farm, ref, tmp_path):
+    store_model(embedded_farm, ref)
+    digest = store_reference(embedded_farm, tmp_path)
+    with embedded_farm.session() as session:
+        outcome = service.submit(
+            session, embedded_farm.store, ref.info, CPU, TOOLCHAIN, reference_inputs=digest
+        )
+    assert get_job(embedded_farm, outcome.job_id).reference_inputs == digest
+
+
+def test_reference_inputs_missing_from_the_store_raise_model_missing(embedded_farm, stub, ref):
+    store_model(embedded_farm, ref)
+    digest = hashlib.sha256(REFERENCE).hexdigest()
+    with pytest.raises(ModelMissing) as raised:
+        submit(embedded_farm, stub, ref, [CPU], upload=False, reference_inputs=digest)
+    assert raised.value.missing == [digest]
+    assert job_ids(embedded_farm) == []
+
+
+def test_submit_alone_answers_a_hit(embedded_farm, ref):
+    cache_key = blob_for(embedded_farm, ref, CPU)
+    with embedded_farm.session() as session:
+        outcome = service.submit(session, embedded_farm.store, ref.info, CPU, TOOLCHAIN)
+    assert outcome == Submission("hit", cache_key)
+    assert job_ids(embedded_farm) == []
+
+
+# --- model files and rows --------------------------------------------------------------------
+
+
+def versioned(ref: ModelRef) -> ModelRef:
+    """`ref` as `ModelRef.from_path` makes it: each file's version taken when it was hashed."""
+    versions = {role: file_version(path) for role, path in ref.files.items()}
+    return ModelRef(ref.files, ref.identity, ref.name, versions)
+
+
+def test_a_file_unchanged_since_it_was_hashed_is_copied_without_hashing_it_again(
+    embedded_farm, ref, monkeypatch
+):
+    def no_rehash(*args, **kwargs):
+        raise AssertionError("an unchanged file was read and hashed again")
+
+    monkeypatch.setattr(embedded_farm.store, "put_file", no_rehash)
+    service.upload_model_files(embedded_farm.store, versioned(ref))
+    assert stored_models(embedded_farm) == sorted(ref.identity.values())
+    for role, path in ref.files.items():
+        stored = embedded_farm.store.root / model_storage_key(ref.identity[role])
+        assert stored.read_bytes() == path.read_bytes()
+
+
+def test_a_file_changed_since_it_was_hashed_is_checked_against_its_digest(embedded_farm, ref):
+    model = versioned(ref)
+    ref.files["bin"].write_bytes(b"weights rewritten after hashing")
+    with pytest.raises(ChecksumMismatch):
+        service.upload_model_files(embedded_farm.store, model)
+    assert ref.identity["bin"] not in stored_models(embedded_farm)
+
+
+def test_losing_the_model_insert_race_answers_the_winners_row(embedded_farm, ref):
+    """The loser looked the digest up before the winner's row was committed (simulated: its
+    lookup answers nothing), then its insert hits the unique digest."""
+    other = make_ref(ref.files["xml"].parent.parent / "other", "other")
+    with embedded_farm.session() as session:
+        service.register_model(session, other.info)
+        winner = service.register_model(session, ref.info)
+        session.commit()
+        winner_id = winner.id
+    with embedded_farm.session() as session:
+        real_scalar = session.scalar
+        looked_up = []
+
+        def lookup_before_the_winner(statement, *args, **kwargs):
+            if not looked_up:
+                looked_up.append(statement)
+                return None
+            return real_scalar(statement, *args, **kwargs)
+
+        session.scalar = lookup_before_the_winner  # type: ignore[method-assign]
+        loser = service.register_model(session, ref.info)
+        assert looked_up and (loser.id, loser.name) == (winner_id, ref.name)
+    assert [row[0] for row in model_rows(embedded_farm)] == [
+        hashing.model_digest(other.identity),
+        hashing.model_digest(ref.identity),
+    ]
