@@ -315,7 +315,7 @@ class CompileSpec:
         return args
 
     def summary(self) -> str:
-        """One line for people: ``NPU.4000 tiles=4 hint=LATENCY``."""
+        """One line for people: ``NPU.4000 --tiles 4 --hint LATENCY`` (the flags that made it)."""
         return " ".join([self.target.name, *self.cli_args()[2:]])
 
 
