@@ -8,7 +8,8 @@
   stored with the model's files.
 - verifications: one edge's run of a blob against its reference: errors, latency, device.
   Kept when the blob is deleted (blob_id set null), so the history outlives a rebuild.
-- views blob_verifications and device_latency, for the README's admin queries.
+- views blob_verifications, blob_device_verifications and device_latency, for the README's
+  admin queries.
 
 Revision ID: 0011
 Revises: 0010
@@ -52,6 +53,22 @@ VIEWS = {
                max(v.created_at) AS last_verified_at
         FROM blobs b LEFT JOIN verifications v ON v.blob_id = b.id
         GROUP BY b.id, b.cache_key, b.target, b.quarantined_at
+        """,
+    ),
+    "blob_device_verifications": (
+        "Per blob and device (its full name): verifications, passed and failed, the worst "
+        "error, and the mean and best p50 latency, milliseconds.",
+        """
+        SELECT cache_key, target, device_name,
+               count(*) AS verifications,
+               sum(CASE WHEN passed THEN 1 ELSE 0 END) AS passed,
+               sum(CASE WHEN passed THEN 0 ELSE 1 END) AS failed,
+               max(max_abs_error) AS worst_max_abs_error,
+               avg(latency_p50_ms) AS mean_p50_ms,
+               min(latency_p50_ms) AS best_p50_ms,
+               max(created_at) AS last_verified_at
+        FROM verifications
+        GROUP BY cache_key, target, device_name
         """,
     ),
     "device_latency": (
