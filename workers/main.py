@@ -129,5 +129,22 @@ def _beat_dies_with(worker_pid: int) -> None:
     def on_beat_start(**_: object) -> None:
         die_with_parent()
         name_process("farm beat")
+        _keep_name_after_celery("farm beat")
         if os.getppid() != worker_pid:  # the worker died before the line above took hold
             os._exit(1)
+
+
+def _keep_name_after_celery(name: str) -> None:
+    """Celery titles the embedded beat right after `beat_embedded_init` ("[celery beat]", when
+    setproctitle is installed, as it is with the dev tools), which renames the process: this
+    beat process (a child of its own) names itself again after celery's title."""
+    from celery import platforms
+
+    celery_title = platforms.set_process_title
+
+    def titled(progname: str, info: str | None = None) -> str:
+        title = celery_title(progname, info=info)
+        name_process(name)
+        return title
+
+    platforms.set_process_title = titled
