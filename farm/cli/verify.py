@@ -71,7 +71,8 @@ def verify(
 
     KEY_OR_MODEL is a cache key (then --device is the device to run on, default the blob's
     target's), or a model with its spec flags (the key this machine computes).
-    Exit 0 within tolerance; 9 when outside it or the blob would not run here."""
+    Exit 0 within tolerance; 9 when outside it, or when OpenVINO would not import or run the
+    blob; 4 when this machine has no device of the blob's class (nothing is reported then)."""
     from farm.edge.verify import verify_blob  # OpenVINO: only when used
 
     run_on = None
