@@ -18,7 +18,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from farm.core.reference import (
     percentile,
     summary,
 )
+from farm.core.rss import peak_rss_bytes, reset_peak_rss
 from farm.core.spec import Target
 from farm.edge.agent import EdgeAgent, verify_weights
 
@@ -141,21 +142,21 @@ def verify_blob(
         driver_version=_device_property(device, "NPU_DRIVER_VERSION") if "NPU" in device else None,
         tolerance=_tolerance(target, None, overrides),
     )
-    with _peak_rss() as peak:
-        try:
-            imported = agent.load(cache_key, device, weights, blob=record, report=False)
-            result.import_seconds = imported.import_seconds
-            precision = _property_of(imported.compiled, "INFERENCE_PRECISION_HINT")
-            result.tolerance = _tolerance(target, precision, overrides)
-            outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
-        except FarmError:
-            raise  # the farm's or this machine's refusal: nothing to say about the blob
-        except Exception as error:  # OpenVINO would not import or run it on this device
-            result.error = f"{type(error).__name__}: {error}"[:4000]
-        else:
-            result.figures = summary(compare(reference.outputs, outputs, result.tolerance))
-            result.passed = bool(result.figures["passed"])
-    result.peak_rss_bytes = peak()
+    reset_peak_rss()
+    try:
+        imported = agent.load(cache_key, device, weights, blob=record, report=False)
+        result.import_seconds = imported.import_seconds
+        precision = _property_of(imported.compiled, "INFERENCE_PRECISION_HINT")
+        result.tolerance = _tolerance(target, precision, overrides)
+        outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
+    except FarmError:
+        raise  # the farm's or this machine's refusal: nothing to say about the blob
+    except Exception as error:  # OpenVINO would not import or run it on this device
+        result.error = f"{type(error).__name__}: {error}"[:4000]
+    else:
+        result.figures = summary(compare(reference.outputs, outputs, result.tolerance))
+        result.passed = bool(result.figures["passed"])
+    result.peak_rss_bytes = peak_rss_bytes()
     if report:
         result.farm_answer = agent.source.report_verification(cache_key, result.report())
     return result
@@ -299,28 +300,6 @@ def _device_property(device: str, name: str) -> str | None:
         return str(ov.Core().get_property(device, name))
     except Exception:  # an older plugin without it, or no such device here
         return None
-
-
-@contextlib.contextmanager
-def _peak_rss() -> Iterator[Any]:
-    """Peak resident memory of this process inside the block (VmHWM, reset on entry)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-    peak: list[int | None] = [None]
-    try:
-        yield lambda: peak[0]
-    finally:
-        peak[0] = _vm_hwm()
-
-
-def _vm_hwm() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _json_ready(output: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ is therefore an OpenVINO cache entry; `farm.blobformat` finds the export payload
 
 from __future__ import annotations
 
-import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from pathlib import Path
 import openvino as ov
 
 from farm.core.blobformat import read_header
+from farm.core.rss import peak_rss_bytes, reset_peak_rss
 from farm.core.spec import CompileSpec, Toolchain
 from farm.prepare import apply_shapes, check_input_sizes, check_static, read_model
 from farm.toolchain import (
@@ -64,7 +64,7 @@ def compile_to_file(
     props = compile_properties(spec)
     run_props = {**props, **cache_properties(Path(out_dir), blob_id)}
 
-    _reset_peak_rss()
+    reset_peak_rss()
     watcher = _FileWatcher(blob_path)
     started = time.perf_counter()
     try:
@@ -73,7 +73,7 @@ def compile_to_file(
     except Exception as error:
         raise classify_failure(spec.target, error) from error
     total = time.perf_counter() - started
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     blob_path = written_blob(Path(out_dir), blob_path)
     export_seconds = max(0.0, watcher.finished - watcher.appeared) if watcher.appeared else 0.0
     return CompileResult(
@@ -86,25 +86,6 @@ def compile_to_file(
         peak_rss_bytes=peak,
         properties=props,
     )
-
-
-def _reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # resets VmHWM, the peak resident set (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _FileWatcher:
