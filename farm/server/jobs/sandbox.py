@@ -49,8 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from farm.core import errors
@@ -124,37 +124,23 @@ def compile_in_child(
     # OpenVINO stays out of the watching process: only the child loads it and compiles.
     from farm.server.jobs import compiler
 
-    identity = compile_identity(compile_user)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    request = out_dir.parent / f"{blob_id}.request.json"
-    result_path = out_dir.parent / f"{blob_id}.result.json"
-    log_path = out_dir.parent / f"{blob_id}.log"
-    result_path.unlink(missing_ok=True)
-    box = _make_box(out_dir, identity)
-    try:
-        staged = {
-            role: _stage(Path(path), box / f"model.{role}", identity)
-            for role, path in files.items()
-        }
-        request.write_text(
-            json.dumps(
-                {
-                    "files": {role: str(path) for role, path in staged.items()},
-                    "target": spec.target.name,
-                    "spec": spec.canonical(),
-                    "out_dir": str(box),
-                    "blob_id": blob_id,
-                    "memory_bytes": memory_bytes,
-                    "max_blob_bytes": max_blob_bytes,
-                    "run_as": identity,
-                }
-            )
-        )
-        returncode, timed_out = _run_child(
-            request, result_path, log_path, box, timeout_seconds, should_stop
-        )
-        output = _tail(log_path)
-        if timed_out:
+    with _child_in_box(
+        files,
+        out_dir,
+        blob_id,
+        compile_identity(compile_user),
+        {
+            "target": spec.target.name,
+            "spec": spec.canonical(),
+            "blob_id": blob_id,
+            "memory_bytes": memory_bytes,
+            "max_blob_bytes": max_blob_bytes,
+        },
+        timeout_seconds,
+        should_stop,
+    ) as run:
+        output = _tail(run.log_path)
+        if run.timed_out:
             raise _with_output(
                 CompileTimeout(
                     f"compile ran longer than its time limit of {timeout_seconds:.0f} s "
@@ -162,15 +148,14 @@ def compile_in_child(
                 ),
                 output,
             )
-        result = _read_result(result_path)
+        result = _read_result(run.result_path)
         if result is None:
-            raise _with_output(_death(returncode, output, memory_bytes, max_blob_bytes), output)
+            death = _death(run.returncode, output, memory_bytes, max_blob_bytes)
+            raise _with_output(death, output)
         if "error" in result:
             error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
             raise _with_output(error, output)
-        blob = _take_blob(box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
-    finally:
-        shutil.rmtree(box, ignore_errors=True)
+        blob = _take_blob(run.box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
     # The child's word is taken for how it compiled, not for where or how big its blob is.
     result["blob_path"] = blob
     result["size_bytes"] = blob.stat().st_size
@@ -196,11 +181,65 @@ def reference_in_child(
     ``(None, why not)``. It never fails the job: a blob without a reference is still a blob.
     `should_stop` True kills the child (CompileCancelled), as for the compile.
     `max_reference_bytes` caps what the child writes (RLIMIT_FSIZE), as the blob limit does."""
-    identity = compile_identity(compile_user)
+    with _child_in_box(
+        files,
+        out_dir,
+        f"{cache_key}.reference",
+        compile_identity(compile_user),
+        {
+            "task": "reference",
+            "target": spec.target.name,
+            "spec": spec.canonical(),
+            "blob_id": cache_key,
+            "memory_bytes": memory_bytes,
+            "max_blob_bytes": max_reference_bytes,
+        },
+        timeout_seconds,
+        should_stop,
+        {"inputs": inputs_path},
+    ) as run:
+        if run.timed_out:
+            return None, f"no reference outputs: the CPU run took over {timeout_seconds:.0f} s"
+        result = _read_result(run.result_path)
+        if result is None:
+            death = _death(run.returncode, _tail(run.log_path), memory_bytes, max_reference_bytes)
+            return None, f"no reference outputs: {death}"
+        if "skipped" in result:
+            return None, str(result["skipped"])
+        try:  # the same checks as for a blob: the box is the compile user's (a link, a FIFO)
+            return _take_blob(run.box / f"{cache_key}.npz", out_dir / f"{cache_key}.npz"), None
+        except (errors.CompileError, OSError) as error:
+            return None, f"no reference outputs: {error}"
+
+
+@dataclass(frozen=True)
+class _ChildRun:
+    box: Path
+    log_path: Path
+    result_path: Path
+    returncode: int
+    timed_out: bool
+
+
+@contextlib.contextmanager
+def _child_in_box(
+    files: Mapping[str, Path],
+    out_dir: Path,
+    name: str,
+    identity: tuple[int, int] | None,
+    fields: Mapping[str, object],
+    timeout_seconds: float,
+    should_stop: Callable[[], bool],
+    extra_files: Mapping[str, Path | None] | None = None,
+) -> Iterator[_ChildRun]:
+    """Stage the model's files (and `extra_files`, each passed to the child under its field
+    name, None: not given) in a box of the child's own, write its request (`fields` and where
+    everything is), run it to its end, and remove the box after the caller took what it
+    wanted from it. Request, result and log sit beside `out_dir`, named after `name`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    request = out_dir.parent / f"{cache_key}.reference.json"
-    result_path = out_dir.parent / f"{cache_key}.reference-result.json"
-    log_path = out_dir.parent / f"{cache_key}.reference.log"
+    request = out_dir.parent / f"{name}.request.json"
+    result_path = out_dir.parent / f"{name}.result.json"
+    log_path = out_dir.parent / f"{name}.log"
     result_path.unlink(missing_ok=True)
     box = _make_box(out_dir, identity)
     try:
@@ -208,19 +247,19 @@ def reference_in_child(
             role: _stage(Path(path), box / f"model.{role}", identity)
             for role, path in files.items()
         }
-        inputs = _stage(inputs_path, box / "inputs.npz", identity) if inputs_path else None
+        extras = {
+            field: str(_stage(Path(path), box / f"{field}{Path(path).suffix}", identity))
+            if path
+            else None
+            for field, path in (extra_files or {}).items()
+        }
         request.write_text(
             json.dumps(
                 {
-                    "task": "reference",
+                    **fields,
+                    **extras,
                     "files": {role: str(path) for role, path in staged.items()},
-                    "target": spec.target.name,
-                    "spec": spec.canonical(),
                     "out_dir": str(box),
-                    "blob_id": cache_key,
-                    "inputs": str(inputs) if inputs else None,
-                    "memory_bytes": memory_bytes,
-                    "max_blob_bytes": max_reference_bytes,
                     "run_as": identity,
                 }
             )
@@ -228,18 +267,7 @@ def reference_in_child(
         returncode, timed_out = _run_child(
             request, result_path, log_path, box, timeout_seconds, should_stop
         )
-        if timed_out:
-            return None, f"no reference outputs: the CPU run took over {timeout_seconds:.0f} s"
-        result = _read_result(result_path)
-        if result is None:
-            death = _death(returncode, _tail(log_path), memory_bytes, max_reference_bytes)
-            return None, f"no reference outputs: {death}"
-        if "skipped" in result:
-            return None, str(result["skipped"])
-        try:  # the same checks as for a blob: the box is the compile user's (a link, a FIFO)
-            return _take_blob(box / f"{cache_key}.npz", out_dir / f"{cache_key}.npz"), None
-        except (errors.CompileError, OSError) as error:
-            return None, f"no reference outputs: {error}"
+        yield _ChildRun(box, log_path, result_path, returncode, timed_out)
     finally:
         shutil.rmtree(box, ignore_errors=True)
 
