@@ -57,9 +57,9 @@ def toolchain_of(
     npu_compiler = None
     runtime_requirements = None
     if target.is_npu:
-        npu_compiler = str(_property_or_none(compiled, "NPU_COMPILER_VERSION"))
+        npu_compiler = str(property_or_none(compiled, "NPU_COMPILER_VERSION"))
     else:
-        reported = _property_or_none(compiled, "RUNTIME_REQUIREMENTS")
+        reported = property_or_none(compiled, "RUNTIME_REQUIREMENTS")
         if reported is None and cache_entry is not None:
             reported = read_header(cache_entry).attributes.get("runtime_info")
         if reported is None:
@@ -86,7 +86,7 @@ def host_toolchain(target: Target) -> Toolchain:
     if target.is_npu:
         return Toolchain(openvino=openvino_release(), openvino_build=ov.get_version())
     compiled = ov.Core().compile_model(tiny_model(), "CPU")
-    if _property_or_none(compiled, "RUNTIME_REQUIREMENTS") is not None:
+    if property_or_none(compiled, "RUNTIME_REQUIREMENTS") is not None:
         return toolchain_of(compiled, target)
     # An older release: its requirements are in the header of the cache entry it writes.
     with tempfile.TemporaryDirectory(prefix="farm-toolchain-") as folder:
@@ -190,7 +190,8 @@ def tiny_model() -> ov.Model:
     return ov.Model([ops.relu(ops.matmul(data, weights, False, False))], [data], "farm_probe")
 
 
-def _property_or_none(compiled: ov.CompiledModel, name: str) -> object | None:
+def property_or_none(compiled: ov.CompiledModel, name: str) -> object | None:
+    """A compiled model's property, or None where its plugin has no such property."""
     try:
         return compiled.get_property(name)
     except Exception:
@@ -240,5 +241,5 @@ def npu_compiler_versions() -> dict[str, str]:
         except Exception as error:
             results[name] = str(classify_failure(target, error))
             continue
-        results[name] = f"ok {_property_or_none(compiled, 'NPU_COMPILER_VERSION')}"
+        results[name] = f"ok {property_or_none(compiled, 'NPU_COMPILER_VERSION')}"
     return results

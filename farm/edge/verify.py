@@ -39,6 +39,7 @@ from farm.core.reference import (
 from farm.core.rss import peak_rss_bytes, reset_peak_rss
 from farm.core.spec import Target
 from farm.edge.agent import EdgeAgent, verify_weights
+from farm.toolchain import property_or_none
 
 DEFAULT_RUNS = 10
 WARMUP_RUNS = 1
@@ -146,8 +147,9 @@ def verify_blob(
     try:
         imported = agent.load(cache_key, device, weights, blob=record, report=False)
         result.import_seconds = imported.import_seconds
-        precision = _property_of(imported.compiled, "INFERENCE_PRECISION_HINT")
-        result.tolerance = _tolerance(target, precision, overrides)
+        precision = property_or_none(imported.compiled, "INFERENCE_PRECISION_HINT")
+        hint = None if precision is None else str(precision)
+        result.tolerance = _tolerance(target, hint, overrides)
         outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
     except FarmError:
         raise  # the farm's or this machine's refusal: nothing to say about the blob
@@ -228,13 +230,6 @@ def _tolerance(
     values = {"atol": base.atol, "rtol": base.rtol, "min_cosine": base.min_cosine}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Tolerance(**values)
-
-
-def _property_of(compiled: ov.CompiledModel, name: str) -> str | None:
-    try:
-        return str(compiled.get_property(name))
-    except Exception:  # a plugin without it
-        return None
 
 
 def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:
