@@ -91,6 +91,7 @@ def verify(
         runs=runs,
         overrides={"atol": atol, "rtol": rtol, "min_cosine": min_cosine},
         weights=weights or model_bin,
+        record=record,
     )
     tolerance = result.tolerance
     data = {

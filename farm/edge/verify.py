@@ -110,6 +110,7 @@ def verify_blob(
     overrides: Mapping[str, float | None] | None = None,
     weights: Path | None = None,
     report: bool = True,
+    record: dict[str, Any] | None = None,
 ) -> Verification:
     """Verify the blob of `cache_key` on `device` (default: its target's) and report it (unless
     `report` is False). `overrides`: atol, rtol or min_cosine instead of the defaults.
@@ -119,8 +120,9 @@ def verify_blob(
     outputs outside tolerance. Everything that says nothing about the blob raises and reports
     nothing: refusals of the record (signature, digest, quarantine), no reference outputs, no
     such device on this machine, a device of another class than the blob's target, a
-    weightless blob without its model's own `.bin`."""
-    record = agent.resolve(cache_key)
+    weightless blob without its model's own `.bin`. `record`: the farm's record of the blob,
+    when the caller resolved it already."""
+    record = record or agent.resolve(cache_key)
     fetched = agent.fetch(cache_key, blob=record)
     blob = fetched.blob
     target = Target.parse(blob["target"])
@@ -184,7 +186,7 @@ def verify_once(
             kept = json.loads(stamp.read_text())
             if isinstance(kept, dict) and "passed" in kept:
                 return kept
-    result = verify_blob(agent, cache_key, target_device, weights=weights)
+    result = verify_blob(agent, cache_key, target_device, weights=weights, record=record)
     outcome = result.report()
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps(outcome))
