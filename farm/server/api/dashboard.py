@@ -29,6 +29,7 @@ from farm.server import routing
 from farm.server.api import dashboard_html as html
 from farm.server.api.cached import Cached
 from farm.server.api.deps import farm_of
+from farm.server.api.schemas import Text
 from farm.server.blobs import service as blob_service
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
@@ -115,8 +116,8 @@ def logout() -> Response:
 def dashboard(
     request: Request,
     state: str | None = Query(None, pattern="^(|queued|running|succeeded|failed|cancelled)$"),
-    target: str | None = Query(None, max_length=32),
-    submitter: str | None = Query(None, max_length=128),
+    target: Text | None = Query(None, max_length=32),
+    submitter: Text | None = Query(None, max_length=128),
     limit: int = Query(50, ge=1, le=500),
     workers: str | None = Query(None, pattern="^(|all)$"),
 ) -> Response:
