@@ -56,9 +56,13 @@ class Settings(BaseSettings):
     max_queue_seconds: int = 24 * 3600
     """A job queued longer than this fails (no worker took it)."""
     max_blob_bytes: int | None = None
-    """Largest blob one compile may write; a compile past it fails its job and stores nothing.
-    Default: 4 times the model's bytes plus 256 MiB (a few KB of IR can broadcast a constant to
-    GBs at compile time)."""
+    """Largest blob one compile may write, whatever its model; a compile past it fails its job
+    and stores nothing. Unset: the ratio below alone."""
+    max_blob_ratio: float = 4.0
+    """A blob may hold at most this many times its model's bytes, plus blob_bytes_over_model:
+    a few KB of IR can broadcast a constant to GBs at compile time (2.6 KB made 240 MB)."""
+    blob_bytes_over_model: int = 64 * 2**20
+    """What a blob may hold beyond max_blob_ratio times its model (the compiled code)."""
     quarantine_on_failure: bool = True
     """A failed `farm verify` report quarantines its blob (edges refuse it until an admin
     releases it). Any pull token may report: a fleet whose edges' tokens are not trusted that
@@ -97,10 +101,39 @@ class Settings(BaseSettings):
     max_concurrent_uploads: int = 4
     """Model uploads one API process streams at once; more are answered 503
     `too_many_uploads` with Retry-After (the client retries). Each holds up to ~80 MiB."""
+    max_uploads_per_token: int = 2
+    """Model uploads one token streams at once per API process; more are answered 429
+    `too_many_uploads_for_token`, so one client cannot hold every upload slot. 0: no bound."""
+    api_upload_min_bytes_per_second: int = 64 * 2**10
+    """A model upload must arrive whole within FARM_API_BODY_TIMEOUT_SECONDS plus its
+    Content-Length at this rate (408 past it): a client cannot hold an upload slot by dripping
+    bytes, each in time for the per-piece timeout. 0: no total deadline."""
+    max_queued_jobs_per_submitter: int = 1000
+    """Queued jobs one token may have; past it a submission is answered 429
+    `too_many_queued_jobs` (the broker keeps every queued message in memory). 0: no bound."""
+    max_queues_per_submitter: int = 16
+    """Queues (target and toolchain pairs) one token's queued jobs may wait on; a submission
+    that would open another is answered 429 `too_many_queues`. 0: no bound."""
+    max_stored_bytes_per_submitter: int = 1 << 40
+    """Bytes one token may have stored: the model files it uploaded (in the last
+    FARM_MODEL_GRACE_SECONDS, or of models it submitted) and the blobs of its jobs. Past it an
+    upload or a submission is answered 413 `storage_quota_exceeded`. 0: no quota."""
+    max_report_bytes: int = 64 * 2**10
+    """Largest verification report an edge may send (413 `report_too_large`)."""
+    max_reports_per_blob: int = 200
+    """Verification reports one blob keeps; more are answered 429 `too_many_reports`, except a
+    failure of a blob not yet quarantined (it quarantines the blob). 0: no bound."""
+    max_reports_per_agent: int = 10
+    """Verification reports one agent id may make about one blob (429 `too_many_reports`).
+    0: no bound."""
     max_matrix: int = 64
     """Most jobs one submission may ask for."""
-    presign_seconds: int = 3600
-    """Lifetime of a presigned download URL."""
+    presign_seconds: int = 900
+    """Longest lifetime of a presigned download URL; never past the expiry of the token that
+    asked for it."""
+    dashboard_session_seconds: int = 8 * 3600
+    """Lifetime of a dashboard session (its cookie holds a session id, never the token); never
+    past the token's own expiry."""
     readyz_cache_seconds: float = 2.0
     """`/readyz` answers from its last check for this long, so a burst of probes costs one
     check of the database, broker and store. 0: check on every call."""

@@ -300,6 +300,71 @@ class TokenExpired(FarmError):
     kind, code = Kind.UNAUTHORIZED, "token_expired"
 
 
+# --- limits an admin sets ----------------------------------------------------------------
+
+
+class LimitReached(FarmError):
+    """A request that would pass a bound the admin sets (a `FARM_*` setting, named in the
+    message and in `details.setting`), so that no one client takes what belongs to all. The API
+    answers `status`: 429 for a count that frees up as work finishes (retry later), 413 for a
+    size or a quota (ask less, or ask the admin)."""
+
+    kind, code = Kind.RATE_LIMITED, "limit_reached"
+    status = 429
+
+    def __init__(self, message: str, *, setting: str, limit: int | float) -> None:
+        super().__init__(
+            f"{message} (limit: {setting}={limit:g})",
+            details={"setting": setting, "limit": limit},
+        )
+        self.setting = setting
+
+
+class TooManyUploads(LimitReached):
+    """This token already streams as many model uploads as one token may at once
+    (`FARM_MAX_UPLOADS_PER_TOKEN`); answered before the body is read."""
+
+    code = "too_many_uploads_for_token"
+    headers = {"Retry-After": "1", "Connection": "close"}  # noqa: RUF012
+
+
+class TooManyQueuedJobs(LimitReached):
+    """The submitter has as many queued jobs as it may (`FARM_MAX_QUEUED_JOBS_PER_SUBMITTER`)."""
+
+    code = "too_many_queued_jobs"
+    headers = {"Retry-After": "30"}  # noqa: RUF012
+
+
+class TooManyQueues(LimitReached):
+    """The submitter's queued jobs already wait on as many queues (target and toolchain pairs)
+    as it may (`FARM_MAX_QUEUES_PER_SUBMITTER`): each queue is a list the broker keeps."""
+
+    code = "too_many_queues"
+    headers = {"Retry-After": "30"}  # noqa: RUF012
+
+
+class TooManyReports(LimitReached):
+    """A blob holds as many verification reports as it may, in all or from this agent
+    (`FARM_MAX_REPORTS_PER_BLOB`, `FARM_MAX_REPORTS_PER_AGENT`)."""
+
+    code = "too_many_reports"
+
+
+class ReportTooLarge(LimitReached):
+    """A verification report larger than `FARM_MAX_REPORT_BYTES`."""
+
+    kind, code = Kind.BAD_INPUT, "report_too_large"
+    status = 413
+
+
+class StorageQuotaExceeded(LimitReached):
+    """The submitter's stored bytes (model files it uploaded, blobs of its jobs) would pass
+    `FARM_MAX_STORED_BYTES_PER_SUBMITTER`."""
+
+    kind, code = Kind.BAD_INPUT, "storage_quota_exceeded"
+    status = 413
+
+
 # --- jobs that ran -------------------------------------------------------------------------
 
 

@@ -86,6 +86,8 @@ class FarmContext:
             settings.max_run_seconds,
             settings.resolved_compile_memory_bytes,
             max_blob_bytes=settings.max_blob_bytes,
+            max_blob_ratio=settings.max_blob_ratio,
+            blob_bytes_over_model=settings.blob_bytes_over_model,
             compile_user=settings.compile_user,
             reference_outputs=settings.reference_outputs,
         )

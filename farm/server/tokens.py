@@ -25,6 +25,8 @@ LAST_USED_EVERY = timedelta(minutes=1)
 class Caller:
     name: str
     role: str
+    expires_at: datetime | None = None
+    """When the token expires (UTC); None: never. What it is given expires no later."""
 
     def may(self, role: str) -> bool:
         return ROLES.index(self.role) >= ROLES.index(role)
@@ -107,7 +109,7 @@ def authenticate(session: Session, token: str) -> Caller | None:
     # At most one write per token per minute, not one per request; a token used within the
     # minute (what this read shows) costs no statement and no commit at all.
     if row.last_used_at is not None and row.last_used_at >= at - LAST_USED_EVERY:
-        return Caller(row.name, row.role)
+        return Caller(row.name, row.role, row.expires_at)
     session.execute(
         update(ApiToken)
         .where(
@@ -117,7 +119,7 @@ def authenticate(session: Session, token: str) -> Caller | None:
         .values(last_used_at=at)
     )
     session.commit()
-    return Caller(row.name, row.role)
+    return Caller(row.name, row.role, row.expires_at)
 
 
 def list_tokens(session: Session, limit: int, after_id: int = 0) -> list[ApiToken]:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from farm.server import routing
+from farm.server.api.dashboard import COOKIE
 from farm.server.api.dashboard_html import FAILED_RGB
 from farm.server.tokens import create_token, revoke_token
 from tests import models
@@ -129,19 +130,29 @@ def test_dashboard_login_rules(empty_farm):
         for attribute in ("httponly", "samesite=lax", "path=/dashboard", "max-age=28800"):
             assert attribute in cookie, attribute
         assert "secure" not in cookie  # plain HTTP here; over HTTPS it is set
+        session_id = client.cookies[COOKIE]
+        assert farm.tokens["submit"] not in login.headers["set-cookie"]  # a session, not the token
+        assert not session_id.startswith("farm_") and len(session_id) >= 43
         page = client.get(base)
         assert page.status_code == 200 and "test-submit" in page.text
         assert "script-src" not in page.headers["content-security-policy"]
         assert "default-src 'none'" in page.headers["content-security-policy"]
         assert client.get(f"{base}?state=bogus").status_code == 422
 
+        # Logging out ends the session on the server: its cookie, replayed, opens nothing.
+        assert client.post(f"{base}/logout").status_code == 303
+        replayed = httpx.get(base, cookies={COOKIE: session_id}, timeout=30)
+        assert replayed.status_code == 303 and replayed.headers["location"] == "/dashboard/login"
+        assert client.post(f"{base}/login", data={"token": farm.tokens["submit"]}).is_redirect
+        assert client.get(base).status_code == 200
+
         with farm.sessions() as session:
             revoke_token(session, "test-submit")
-        assert client.get(base).status_code == 303  # the cookie's token is revoked: out
+        assert client.get(base).status_code == 303  # the session's token is revoked: out
 
         with farm.sessions() as session:
             admin = create_token(session, "admin-1", "admin")
-            soon = datetime.now(UTC) + timedelta(seconds=1)
+            soon = datetime.now(UTC) + timedelta(seconds=3)
             expired = create_token(session, "soon-expired", "admin", soon)
         bearer = httpx.get(base, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
         assert bearer.status_code == 200 and "admin-1" in bearer.text
@@ -149,5 +160,12 @@ def test_dashboard_login_rules(empty_farm):
         edge = {"Authorization": f"Bearer {farm.tokens['pull']}"}
         pull = httpx.get(base, headers=edge, timeout=30, follow_redirects=False)
         assert pull.status_code == 403 and "has the &#x27;pull&#x27; role" in pull.text
-        time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.1)
+        # A session never outlives its token: this one expires with it, within 3 s.
+        with httpx.Client(follow_redirects=False, timeout=30) as brief:
+            short = brief.post(f"{base}/login", data={"token": expired})
+            assert short.status_code == 303
+            max_age = int(short.headers["set-cookie"].lower().split("max-age=")[1].split(";")[0])
+            assert 1 <= max_age <= 3
+            time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.1)
+            assert brief.get(base).status_code == 303  # the token expired: so did its session
         assert client.post(f"{base}/login", data={"token": expired}).status_code == 401

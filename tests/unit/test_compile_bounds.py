@@ -84,10 +84,14 @@ def test_a_worker_that_is_not_root_compiles_as_itself():
     assert sandbox.compile_identity("nobody") is None
 
 
-def test_the_blob_limit_is_four_times_the_model_plus_256_mib_unless_set():
-    assert blob_size_limit(2621) == 4 * 2621 + 256 * 2**20
-    assert blob_size_limit(2 * 2**30) == 8 * 2**30 + 256 * 2**20
+def test_the_blob_limit_is_a_ratio_of_the_model_the_admin_sets_unless_a_size_is_set():
+    assert blob_size_limit(2621) == 4 * 2621 + 64 * 2**20
+    assert blob_size_limit(2621) < 240 * 10**6  # the 2.6 KB IR made a 240 MB blob
+    assert blob_size_limit(2 * 2**30) == 8 * 2**30 + 64 * 2**20
     assert blob_size_limit(2621, 2**20) == 2**20
+    assert blob_size_limit(1000, None, 2.5, 2**20) == 2500 + 2**20
+    tight = FarmContext(Settings(max_blob_ratio=2, blob_bytes_over_model=2**20)).run_limits
+    assert (tight.max_blob_ratio, tight.blob_bytes_over_model) == (2, 2**20)
     limits = FarmContext(Settings(max_blob_bytes=2**20, compile_user="farm-compile")).run_limits
     assert (limits.max_blob_bytes, limits.compile_user) == (2**20, "farm-compile")
 
@@ -127,7 +131,7 @@ def test_a_blob_over_its_limit_fails_the_job_before_anything_is_uploaded(
             upload_from=ref,
         )
     job_id = submitted.results[0][1].job_id
-    expected = limit or 4 * ref.info.size_bytes + 256 * 2**20
+    expected = limit or 4 * ref.info.size_bytes + 64 * 2**20
     asked: list[int | None] = []
     monkeypatch.setattr(runner, "compile_in_child", oversized_compile(expected + 1, asked))
     monkeypatch.setattr(toolchain, "host_toolchain", lambda target: TOOLCHAIN)  # as it reports

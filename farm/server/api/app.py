@@ -73,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         BodyLimit,
         max_bytes=settings.max_request_bytes,
         body_timeout_seconds=settings.api_body_timeout_seconds,
+        upload_min_bytes_per_second=settings.api_upload_min_bytes_per_second,
     )
     install_error_handlers(app)
     for router in (*ROUTERS, metrics.router, dashboard.router):

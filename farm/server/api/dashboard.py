@@ -2,10 +2,13 @@
 
 Authentication: a browser cannot attach a bearer header to a link, and a token in the URL ends
 up in history, proxy logs and Referer headers. So a login form posts the token once, and the
-answer sets it as a cookie: HttpOnly (page scripts cannot read it), SameSite=Lax (other sites'
-forms do not carry it; every dashboard request that carries it is a read-only GET), Secure
-when served over HTTPS, scoped to /dashboard, and short-lived. Every request checks the token
-against the database like a bearer token, so `farm token revoke` takes effect at once. It needs
+answer sets a cookie holding a server-side session id, never the token
+(`farm.server.api.sessions`): HttpOnly (page scripts cannot read it), SameSite=Lax (other
+sites' forms do not carry it; every dashboard request that carries it is a read-only GET),
+Secure when served over HTTPS, scoped to /dashboard, and expiring
+(FARM_DASHBOARD_SESSION_SECONDS, never past the token's expiry). Every request checks the
+session and its token against the database, so `farm token revoke` takes effect at once, and
+logging out ends the session on the server, not only in the browser. It needs
 the `submit` role: the page shows what `GET /v1/jobs` and `/v1/workers` show that role (a valid
 token without it, an edge's pull token, gets 403, not the login page). A bearer header works as
 well, for curl or an authenticating proxy in front.
@@ -27,6 +30,7 @@ from sqlalchemy import func, select
 
 from farm.server import routing
 from farm.server.api import dashboard_html as html
+from farm.server.api import sessions
 from farm.server.api.cached import Cached
 from farm.server.api.deps import farm_of
 from farm.server.api.schemas import Text
@@ -37,8 +41,7 @@ from farm.server.tokens import Caller, TokenExpired, authenticate
 from farm.server.views import model_names
 
 COOKIE = "farm_dashboard"
-COOKIE_SECONDS = 8 * 3600
-"""Lifetime of the login cookie; the token itself lives until revoked."""
+"""The session cookie: a session id (`sessions`), never the API token."""
 ROLE = "submit"
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
@@ -55,18 +58,23 @@ def _authenticated(request: Request, token: str | None) -> Caller | None:
             return None
 
 
+def _request_caller(request: Request) -> Caller | None:
+    """Who sends this request: a bearer header's token, or the session in the cookie."""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return _authenticated(request, header[7:].strip())
+    session_id = request.cookies.get(COOKIE)
+    if not session_id:
+        return None
+    with farm_of(request).session() as session:
+        return sessions.session_caller(session, session_id)
+
+
 def _caller(request: Request, token: str | None) -> Caller | None:
     caller = _authenticated(request, token)
     if caller is None or not caller.may(ROLE):
         return None
     return caller
-
-
-def _token_of(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    if header.lower().startswith("bearer "):
-        return header[7:].strip()
-    return request.cookies.get(COOKIE)
 
 
 def _page(body: str, status: int = 200) -> HTMLResponse:
@@ -92,11 +100,16 @@ async def login(request: Request) -> Response:
         return _page(html.login(f"that token is unknown, revoked, or lacks the {ROLE!r} role"), 401)
     if not request.app.state.limiter.allow(caller.name):
         return _page(html.login("too many requests for this token; retry in a minute"), 429)
+    farm = farm_of(request)
+    with farm.session() as session:
+        session_id, seconds = sessions.open_session(
+            session, caller, farm.settings.dashboard_session_seconds
+        )
     response = RedirectResponse("/dashboard", 303)
     response.set_cookie(
         COOKIE,
-        token,
-        max_age=COOKIE_SECONDS,
+        session_id,
+        max_age=seconds,
         path="/dashboard",
         httponly=True,
         samesite="lax",
@@ -106,7 +119,11 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-def logout() -> Response:
+def logout(request: Request) -> Response:
+    session_id = request.cookies.get(COOKIE)
+    if session_id:
+        with farm_of(request).session() as session:
+            sessions.close_session(session, session_id)
     response = RedirectResponse("/dashboard/login", 303)
     response.delete_cookie(COOKIE, path="/dashboard")
     return response
@@ -121,7 +138,7 @@ def dashboard(
     limit: int = Query(50, ge=1, le=500),
     workers: str | None = Query(None, pattern="^(|all)$"),
 ) -> Response:
-    caller = _authenticated(request, _token_of(request))
+    caller = _request_caller(request)
     if caller is None:
         return RedirectResponse("/dashboard/login", 303)
     if not caller.may(ROLE):  # signing in again would not help: say why

@@ -72,7 +72,8 @@ def error_response(
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FarmError)
     async def farm_error(_: Request, error: FarmError) -> JSONResponse:
-        status = error.status if isinstance(error, ApiError) else HTTP_STATUS[error.kind]
+        # An ApiError carries its status, and so may an error class (a limit's 413).
+        status = getattr(error, "status", None) or HTTP_STATUS[error.kind]
         message = str(error)
         if status >= 500 and not isinstance(error, ApiError):
             log.warning("%s: %s", error.code, message)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
-from farm.core.errors import Conflict, NotFound
+from farm.core.errors import Conflict, NotFound, TooManyReports
 from farm.core.spec import Target
 from farm.core.tolerance import default_tolerance
 from farm.server.blobs.service import require, resolve
@@ -49,19 +50,29 @@ REPORT_FIELDS = (
 """What an edge reports (`POST /v1/blobs/{key}/verifications`): every column it fills."""
 
 
+@dataclass(frozen=True)
+class ReportLimits:
+    """How many verification reports one blob keeps (FARM_MAX_REPORTS_PER_BLOB) and one agent
+    id may make about one blob (FARM_MAX_REPORTS_PER_AGENT); 0: no bound."""
+
+    per_blob: int = 0
+    per_agent: int = 0
+
+
 def record_verification(
     session: Session,
     cache_key: str,
     blob_sha256: str,
     report: Mapping[str, Any],
     quarantine_on_failure: bool = True,
+    limits: ReportLimits | None = None,
 ) -> tuple[Verification, bool]:
     """Append an edge's report; a failed one quarantines the blob (unless
     `quarantine_on_failure` is off, FARM_QUARANTINE_ON_FAILURE, or the report applied a
     tolerance stricter than the target's default: a failure by a rule of the edge's own says
     nothing the fleet must act on). Returns the row and whether this report quarantined it. A
     report about other bytes than the blob recorded now (a blob since rebuilt) is refused: it
-    says nothing about this one."""
+    says nothing about this one. Past `limits`: TooManyReports."""
     blob = require(session, cache_key)
     if blob.sha256 != blob_sha256:
         raise Conflict(
@@ -69,6 +80,8 @@ def record_verification(
             f"{blob.sha256} (rebuilt since?): verify it again"
         )
     passed = bool(report["passed"]) and report.get("error") is None
+    if limits is not None:
+        _check_report_count(session, blob, str(report["agent_id"]), passed, limits)
     verification = Verification(
         blob_id=blob.id,
         cache_key=cache_key,
@@ -85,6 +98,35 @@ def record_verification(
         quarantined = _quarantine(session, blob, _failure_reason(verification))
     session.commit()
     return verification, quarantined
+
+
+def _check_report_count(
+    session: Session, blob: Blob, agent_id: str, passed: bool, limits: ReportLimits
+) -> None:
+    """Refuse a report past the blob's bounds. Agent ids are the edges' own words, so the
+    per-blob bound is what holds against one token inventing agents; a failure about a blob
+    not quarantined yet is taken past it (it quarantines the blob: a flood of passes cannot
+    keep a wrong blob spreading)."""
+    if not passed and blob.quarantined_at is None:
+        return
+    counted = select(func.count()).select_from(Verification).where(Verification.blob_id == blob.id)
+    if limits.per_agent:
+        mine = session.scalar(counted.where(Verification.agent_id == agent_id)) or 0
+        if mine >= limits.per_agent:
+            raise TooManyReports(
+                f"agent {agent_id!r} already reported {mine} verifications of blob "
+                f"{blob.cache_key}",
+                setting="FARM_MAX_REPORTS_PER_AGENT",
+                limit=limits.per_agent,
+            )
+    if limits.per_blob:
+        every = session.scalar(counted) or 0
+        if every >= limits.per_blob:
+            raise TooManyReports(
+                f"blob {blob.cache_key} already has {every} verification reports",
+                setting="FARM_MAX_REPORTS_PER_BLOB",
+                limit=limits.per_blob,
+            )
 
 
 def quarantine(session: Session, cache_key: str, reason: str) -> Blob:

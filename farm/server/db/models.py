@@ -506,3 +506,48 @@ class BlobDeletion(Base):
     reference_storage_key: Mapped[str | None] = mapped_column(
         Text, comment="Object key of its reference outputs, deleted with it; null: none."
     )
+
+
+class ModelUpload(Base):
+    __tablename__ = "model_uploads"
+    __table_args__ = (
+        *sha256_checks("sha256"),
+        Index("ix_model_uploads_submitter_created_at", "submitter", "created_at"),
+        {
+            "comment": "Who stored which model file through the API, for the per-submitter "
+            "storage quota (FARM_MAX_STORED_BYTES_PER_SUBMITTER). Inserted per stored upload; "
+            "never updated; counted for FARM_MODEL_GRACE_SECONDS (after that a file no job "
+            "names is collected, and one a job names counts through its model)."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    sha256: Mapped[str] = mapped_column(String(64), comment="The file's sha256 (its name).")
+    submitter: Mapped[str] = mapped_column(Text, comment="The token that uploaded it.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, comment="Its size, bytes.")
+    created_at: Mapped[datetime] = mapped_column(comment="Stored, UTC.")
+
+
+class DashboardSession(Base):
+    __tablename__ = "dashboard_sessions"
+    __table_args__ = (
+        *sha256_checks("session_sha256"),
+        {
+            "comment": "Dashboard logins: the browser's cookie holds a random session id, "
+            "never the API token. Inserted at login; deleted at logout and once expired."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    session_sha256: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="sha256 of the session id; the id itself is not stored."
+    )
+    token_id: Mapped[int] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"),
+        comment="The token that logged in; checked (revoked, expired) on every request.",
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="Logged in, UTC.")
+    expires_at: Mapped[datetime] = mapped_column(
+        comment="Refused from then on, UTC (FARM_DASHBOARD_SESSION_SECONDS, or the token's "
+        "expiry if sooner)."
+    )

@@ -64,11 +64,12 @@ CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 """A write refused for want of room: disk full, file size limit (ulimit -f), quota."""
-BLOB_BYTES_PER_MODEL_BYTE = 4
-BLOB_BYTES_OVER_MODEL = 256 * 2**20
-"""The default blob size limit: 4 times the model's bytes plus 256 MiB. A blob holds the
-weights once (or not at all when weightless) plus the compiled code; a blob far bigger than its
-model is a constant broadcast at compile time (2.6 KB of IR made a 1 GiB blob in 14 s)."""
+BLOB_BYTES_PER_MODEL_BYTE = 4.0
+BLOB_BYTES_OVER_MODEL = 64 * 2**20
+"""The default blob size limit (FARM_MAX_BLOB_RATIO, FARM_BLOB_BYTES_OVER_MODEL): 4 times the
+model's bytes plus 64 MiB. A blob holds the weights once (or not at all when weightless) plus
+the compiled code; a blob far bigger than its model is a constant broadcast at compile time
+(2.6 KB of IR made a 1 GiB blob in 14 s; with 256 MiB over the model, a 240 MB one passed)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class RunLimits:
     memory_bytes: int | None = None
     """Address-space limit of the compile's child process; None: none."""
     max_blob_bytes: int | None = None
-    """Size limit of a blob; None: `blob_size_limit`'s default, from the model's size."""
+    """Size limit of a blob; None: `blob_size_limit`'s ratio, from the model's size."""
+    max_blob_ratio: float = BLOB_BYTES_PER_MODEL_BYTE
+    blob_bytes_over_model: int = BLOB_BYTES_OVER_MODEL
     compile_user: str | None = None
     """Who compiles when the worker runs as root (`sandbox.compile_identity`; None: nobody)."""
     reference_outputs: bool = True
@@ -93,12 +96,24 @@ class ReferenceFile:
     note: str | None
 
 
-def blob_size_limit(model_bytes: int, max_blob_bytes: int | None = None) -> int:
-    """The largest blob a compile of a `model_bytes` model may write (FARM_MAX_BLOB_BYTES, or
-    4 x the model + 256 MiB)."""
+def blob_size_limit(
+    model_bytes: int,
+    max_blob_bytes: int | None = None,
+    ratio: float = BLOB_BYTES_PER_MODEL_BYTE,
+    over_model: int = BLOB_BYTES_OVER_MODEL,
+) -> int:
+    """The largest blob a compile of a `model_bytes` model may write: FARM_MAX_BLOB_BYTES when
+    set, else `ratio` (FARM_MAX_BLOB_RATIO) times the model plus `over_model`
+    (FARM_BLOB_BYTES_OVER_MODEL)."""
     if max_blob_bytes:
         return max_blob_bytes
-    return BLOB_BYTES_PER_MODEL_BYTE * model_bytes + BLOB_BYTES_OVER_MODEL
+    return int(ratio * model_bytes) + over_model
+
+
+def _blob_limit_of(model_bytes: int, limits: RunLimits) -> int:
+    return blob_size_limit(
+        model_bytes, limits.max_blob_bytes, limits.max_blob_ratio, limits.blob_bytes_over_model
+    )
 
 
 def claim(session: Session, job_id: int, worker: str, lease_seconds: int) -> bool:
@@ -175,7 +190,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
     mismatch = _toolchain_mismatch(job, spec.target)
     if mismatch:  # before any byte is fetched or compiled
         return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
-    max_blob_bytes = blob_size_limit(model_row.size_bytes, limits.max_blob_bytes)
+    max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
     try:
         with _work_disk(work_dir):
             files = _fetch_model(store, model_row, work_dir, model_cache)
@@ -256,7 +271,7 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
             inputs_path=inputs,
             timeout_seconds=limits.max_run_seconds,
             memory_bytes=limits.memory_bytes,
-            max_reference_bytes=blob_size_limit(model_row.size_bytes, limits.max_blob_bytes),
+            max_reference_bytes=_blob_limit_of(model_row.size_bytes, limits),
             compile_user=limits.compile_user,
             should_stop=lease.should_stop,
         )

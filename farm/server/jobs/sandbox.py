@@ -356,9 +356,9 @@ def memory_limit_message(memory_bytes: int) -> str:
 def blob_limit_message(max_blob_bytes: int) -> str:
     return (
         f"the compiled blob exceeded its size limit of {max_blob_bytes} bytes "
-        f"({max_blob_bytes / 2**20:.0f} MiB; by default 4 times the model's size plus 256 MiB): "
-        "nothing was stored; set FARM_MAX_BLOB_BYTES higher if this model's blob really is "
-        "that large"
+        f"({max_blob_bytes / 2**20:.0f} MiB: FARM_MAX_BLOB_RATIO times the model's size plus "
+        "FARM_BLOB_BYTES_OVER_MODEL, unless FARM_MAX_BLOB_BYTES is set): nothing was stored; "
+        "set FARM_MAX_BLOB_BYTES if this model's blob really is that large"
     )
 
 

@@ -13,22 +13,29 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import Forbidden, ModelMissing, NotFound
+from farm.core.errors import (
+    Forbidden,
+    ModelMissing,
+    NotFound,
+    StorageQuotaExceeded,
+    TooManyQueuedJobs,
+    TooManyQueues,
+)
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
 from farm.server import pagination, routing
 from farm.server.blobs.rebuild import retire_quarantined
-from farm.server.db.models import Blob, Job, Model
+from farm.server.db.models import Blob, Job, Model, ModelUpload
 from farm.server.db.session import rows_changed
 from farm.server.jobs.dispatch import Dispatcher, dispatch
 from farm.server.storage import BlobStore, model_storage_key
@@ -58,9 +65,10 @@ def submit(
     max_attempts: int | None = None,
     reference_inputs: str | None = None,
 ) -> Submission:
-    """Return the hit, the active job for the same cache key, or a new queued job (committed).
+    """Return the hit, the active job for the same cache key, or a new queued job (flushed in
+    the caller's transaction, not committed).
 
-    The caller sends a new job's message only after this commit (`submit_matrix`). A new job
+    The caller commits, then sends a new job's message (`submit_matrix`). A new job
     needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
     claims the new job gets (`Settings.max_attempts`); None: the column's default.
     `reference_inputs`: sha256 of the submitter's reference inputs, stored like a model file
@@ -90,13 +98,13 @@ def submit(
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
-    session.add(job)
     try:
-        session.commit()
+        with session.begin_nested():
+            session.add(job)
     except IntegrityError:
         # Another submitter inserted the active job for this key between our check and our
-        # insert; the partial unique index refused ours. Theirs is the job to follow.
-        session.rollback()
+        # insert; the partial unique index refused ours (only ours: a savepoint). Theirs is
+        # the job to follow.
         active = _active_job_id(session, key)
         if active is None:
             raise
@@ -164,9 +172,12 @@ def submit_matrix(
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
     Per spec: the hit or the active job (read from the database only), or a new job on the
-    queue its target and model size route it to. Every new row is committed before any job is
-    dispatched. `describe_model` (name, digests, size) is called only when a job is to be
-    created, at most once: a hit asks the store nothing. `upload_from`: the model's files on
+    queue its target and model size route it to. All or nothing: the matrix's new rows are
+    committed in one transaction (an API killed mid-submission records none of them), and
+    only then is any job dispatched. A submitter's queued jobs, the queues they wait on and
+    its stored bytes are bounded first (`check_submitter_limits`). `describe_model` (name,
+    digests, size) is called only when a job is to be created, at most once: a hit asks the
+    store nothing. `upload_from`: the model's files on
     this host, uploaded when the store lacks them (the direct CLI); without it a new job whose
     files the store lacks raises ModelMissing (the API answers 409 and the client uploads).
     `refuse_uncompilable`: an embedded farm (its CLI and its API) compiles on this host only,
@@ -195,37 +206,165 @@ def submit_matrix(
     results: list[tuple[CompileSpec, Submission]] = []
     to_send: list[tuple[int, str]] = []
     model: ModelInfo | None = None
-    for spec, outcome in zip(specs, known, strict=True):
-        if outcome is None:
-            model = model or describe_model()
-            queue = route(settings, spec.target, model.size_bytes, toolchain)
-            new = functools.partial(
-                submit,
-                session,
-                store,
-                model,
-                spec,
-                toolchain,
-                queue=queue,
-                submitter=submitter,
-                submission_id=submission_id,
-                max_attempts=settings.max_attempts,
-                reference_inputs=reference_inputs,
+    queues: list[str | None] = [None] * len(specs)
+    if any(outcome is None for outcome in known):
+        model = describe_model()
+        queues = [
+            route(settings, spec.target, model.size_bytes, toolchain) if outcome is None else None
+            for spec, outcome in zip(specs, known, strict=True)
+        ]
+        if submitter is not None:
+            check_submitter_limits(
+                session, settings, submitter, [queue for queue in queues if queue is not None]
             )
-            try:
-                outcome = new()
-            except ModelMissing as missing:
-                if upload_from is None:
-                    raise
-                upload_model_files(store, upload_from, missing.missing)
-                outcome = new()
-            if outcome.outcome == "queued":
-                assert outcome.job_id is not None
-                to_send.append((outcome.job_id, queue))
-        results.append((spec, outcome))
+    try:
+        for spec, outcome, queue in zip(specs, known, queues, strict=True):
+            if outcome is None:
+                assert model is not None and queue is not None
+                outcome = _new_job(
+                    session,
+                    store,
+                    model,
+                    spec,
+                    toolchain,
+                    queue,
+                    settings,
+                    submitter=submitter,
+                    submission_id=submission_id,
+                    reference_inputs=reference_inputs,
+                    upload_from=upload_from,
+                )
+                if outcome.outcome == "queued":
+                    assert outcome.job_id is not None
+                    to_send.append((outcome.job_id, queue))
+            results.append((spec, outcome))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
     for job_id, queue in to_send:
         dispatch(session, dispatcher, job_id, queue)
     return MatrixSubmission(submission_id, results)
+
+
+def _new_job(
+    session: Session,
+    store: BlobStore,
+    model: ModelInfo,
+    spec: CompileSpec,
+    toolchain: Toolchain,
+    queue: str,
+    settings: Settings,
+    *,
+    submitter: str | None,
+    submission_id: str,
+    reference_inputs: str | None,
+    upload_from: ModelRef | None,
+) -> Submission:
+    """`submit` one spec of a matrix, uploading the model's files first where the store lacks
+    them and this host has them (the direct CLI)."""
+    new = functools.partial(
+        submit,
+        session,
+        store,
+        model,
+        spec,
+        toolchain,
+        queue=queue,
+        submitter=submitter,
+        submission_id=submission_id,
+        max_attempts=settings.max_attempts,
+        reference_inputs=reference_inputs,
+    )
+    try:
+        return new()
+    except ModelMissing as missing:
+        if upload_from is None:
+            raise
+        upload_model_files(store, upload_from, missing.missing)
+        return new()
+
+
+def check_submitter_limits(
+    session: Session, settings: Settings, submitter: str, new_queues: Sequence[str]
+) -> None:
+    """Refuse a submission of `len(new_queues)` new jobs (on those queues) that would take the
+    submitter past its queued jobs (FARM_MAX_QUEUED_JOBS_PER_SUBMITTER), the queues they wait
+    on (FARM_MAX_QUEUES_PER_SUBMITTER: a submitter inventing toolchains makes the broker keep
+    a list per queue), or whose stored bytes are already at its quota.
+
+    Note: two submissions of one submitter racing each other may both pass; each is bounded by
+    FARM_MAX_MATRIX, so the bound holds within that much."""
+    queued = select(Job.queue).where(Job.submitter == submitter, Job.state == JobState.QUEUED)
+    limit = settings.max_queued_jobs_per_submitter
+    if limit:
+        count = session.scalar(select(func.count()).select_from(queued.subquery())) or 0
+        if count + len(new_queues) > limit:
+            raise TooManyQueuedJobs(
+                f"token {submitter!r} has {count} queued jobs; {len(new_queues)} more would "
+                "pass its limit: wait for some to finish, or cancel some (farm cancel)",
+                setting="FARM_MAX_QUEUED_JOBS_PER_SUBMITTER",
+                limit=limit,
+            )
+    limit = settings.max_queues_per_submitter
+    if limit:
+        waiting = set(session.scalars(queued.distinct()))
+        opened = waiting | set(new_queues)
+        if len(opened) > limit:
+            raise TooManyQueues(
+                f"token {submitter!r} has jobs queued on {len(waiting)} queues, and this "
+                f"submission needs {len(opened) - len(waiting)} more (each target and "
+                "toolchain pair is a queue): wait for those jobs to be taken",
+                setting="FARM_MAX_QUEUES_PER_SUBMITTER",
+                limit=limit,
+            )
+    check_storage_quota(session, settings, submitter, 0)
+
+
+def stored_bytes(session: Session, submitter: str, grace_seconds: int) -> int:
+    """Bytes stored for `submitter`: the blobs its jobs made, the models it submitted, and the
+    model files it uploaded in the last `grace_seconds` (older ones either belong to a model
+    it submitted, or `farm gc` collects them)."""
+    blobs = select(func.coalesce(func.sum(Blob.size_bytes), 0)).where(
+        Blob.cache_key.in_(
+            select(Job.cache_key).where(Job.submitter == submitter, Job.state == JobState.SUCCEEDED)
+        )
+    )
+    models = select(func.coalesce(func.sum(Model.size_bytes), 0)).where(
+        Model.id.in_(select(Job.model_id).where(Job.submitter == submitter))
+    )
+    since = now() - timedelta(seconds=grace_seconds)
+    uploads = select(func.coalesce(func.sum(ModelUpload.size_bytes), 0)).where(
+        ModelUpload.submitter == submitter, ModelUpload.created_at >= since
+    )
+    return sum(int(session.scalar(query) or 0) for query in (blobs, models, uploads))
+
+
+def check_storage_quota(
+    session: Session, settings: Settings, submitter: str, more_bytes: int
+) -> None:
+    """Refuse `more_bytes` more for `submitter` past FARM_MAX_STORED_BYTES_PER_SUBMITTER (with
+    0: refuse a submission once the quota is reached, its blobs are still to come)."""
+    quota = settings.max_stored_bytes_per_submitter
+    if not quota:
+        return
+    stored = stored_bytes(session, submitter, settings.model_grace_seconds)
+    if stored + more_bytes > quota or (more_bytes == 0 and stored >= quota):
+        raise StorageQuotaExceeded(
+            f"token {submitter!r} has {stored} bytes stored"
+            + (f" and {more_bytes} more would pass its quota" if more_bytes else ", its quota")
+            + ": ask an admin to delete blobs or raise the quota",
+            setting="FARM_MAX_STORED_BYTES_PER_SUBMITTER",
+            limit=quota,
+        )
+
+
+def record_upload(session: Session, submitter: str, sha256: str, size_bytes: int) -> None:
+    """Count a model file `submitter` stored against its quota (`stored_bytes`)."""
+    session.add(
+        ModelUpload(sha256=sha256, submitter=submitter, size_bytes=size_bytes, created_at=now())
+    )
+    session.commit()
 
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:

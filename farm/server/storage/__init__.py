@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -176,7 +177,18 @@ class Presigning(abc.ABC):
     """Hands out time-limited URLs that fetch an object without the store's credentials."""
 
     @abc.abstractmethod
-    def presigned_url(self, key: str, expires_seconds: int = 3600) -> str: ...
+    def presigned_url(self, key: str, expires_seconds: int = 900) -> str: ...
+
+
+def presign_seconds(longest: int, token_expires_at: datetime | None) -> int:
+    """How long a presigned URL handed to a token may live: `longest` (FARM_PRESIGN_SECONDS),
+    and never past the token's expiry (at least 1 s: a token past it was refused already). A
+    URL is a bearer credential of its own: revoking the token does not recall it, so a short
+    `longest` bounds what a leaked URL or a revoked token can still fetch."""
+    if token_expires_at is None:
+        return longest
+    left = math.floor((token_expires_at - datetime.now(UTC)).total_seconds())
+    return max(1, min(longest, left))
 
 
 class LocalPaths(abc.ABC):

@@ -214,7 +214,7 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
         except (ClientError, BotoCoreError) as error:
             raise StorageError(f"S3 read of {key} failed: {error}") from error
 
-    def presigned_url(self, key: str, expires_seconds: int = 3600) -> str:
+    def presigned_url(self, key: str, expires_seconds: int = 900) -> str:
         return self.client.generate_presigned_url(
             "get_object",
             Params={"Bucket": self.bucket, "Key": self._key(key)},

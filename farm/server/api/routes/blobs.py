@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
-from farm.core.errors import NotFound
+from farm.core.errors import NotFound, ReportTooLarge
 from farm.server.api.deps import (
     AdminCaller,
     Farm,
@@ -20,7 +20,8 @@ from farm.server.api.schemas import BlobOut, PullIn, QuarantineIn, Sha256, Text,
 from farm.server.blobs import service, verifications
 from farm.server.blobs.rebuild import delete_quarantined
 from farm.server.pagination import MAX_PAGE
-from farm.server.storage import LocalPaths, Presigning, reference_storage_key
+from farm.server.storage import LocalPaths, Presigning, presign_seconds, reference_storage_key
+from farm.server.tokens import Caller
 from farm.server.views import blob_dict, verification_dict
 
 router = APIRouter(tags=["blobs"], dependencies=[Depends(known_query_only)])
@@ -57,11 +58,12 @@ def resolve(cache_key: Sha256, farm: Farm, _: PullCaller) -> BlobOut:
     response_model=None,
     responses={307: {"description": "Redirect to a presigned URL"}, 404: {}},
 )
-def download(cache_key: Sha256, farm: Farm, _: PullCaller) -> RedirectResponse | FileResponse:
-    """A presigned URL (S3), or the file itself with HTTP Range support (local store)."""
+def download(cache_key: Sha256, farm: Farm, caller: PullCaller) -> RedirectResponse | FileResponse:
+    """A presigned URL (S3), or the file itself with HTTP Range support (local store). The URL
+    lives FARM_PRESIGN_SECONDS at most, and never past the token's expiry."""
     with farm.session() as session:
         blob = service.require(session, cache_key)
-    return _object(farm, blob.storage_key, f"{cache_key}.blob", blob.sha256)
+    return _object(farm, caller, blob.storage_key, f"{cache_key}.blob", blob.sha256)
 
 
 @router.get(
@@ -70,7 +72,7 @@ def download(cache_key: Sha256, farm: Farm, _: PullCaller) -> RedirectResponse |
     responses={307: {"description": "Redirect to a presigned URL"}, 404: {}},
 )
 def download_reference(
-    cache_key: Sha256, farm: Farm, _: PullCaller
+    cache_key: Sha256, farm: Farm, caller: PullCaller
 ) -> RedirectResponse | FileResponse:
     """The blob's reference outputs (inputs and CPU f32 outputs, `.npz`): 404 when it has none
     (its record's `reference_note` says why)."""
@@ -79,13 +81,16 @@ def download_reference(
     if blob.reference_sha256 is None:
         raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
     key = reference_storage_key(cache_key, blob.reference_sha256)
-    return _object(farm, key, f"{cache_key}.npz", blob.reference_sha256)
+    return _object(farm, caller, key, f"{cache_key}.npz", blob.reference_sha256)
 
 
-def _object(farm, key: str, filename: str, sha256: str) -> RedirectResponse | FileResponse:
+def _object(
+    farm, caller: Caller, key: str, filename: str, sha256: str
+) -> RedirectResponse | FileResponse:
     store = farm.store
     if isinstance(store, Presigning):
-        return RedirectResponse(store.presigned_url(key, farm.settings.presign_seconds), 307)
+        seconds = presign_seconds(farm.settings.presign_seconds, caller.expires_at)
+        return RedirectResponse(store.presigned_url(key, seconds), 307)
     assert isinstance(store, LocalPaths), "a store either presigns or has local paths"
     return FileResponse(
         store.local_path(key),
@@ -109,15 +114,30 @@ def report_pull(cache_key: Sha256, body: PullIn, farm: Farm, _: PullCaller) -> d
 def report_verification(
     cache_key: Sha256, body: VerificationIn, farm: Farm, _: PullCaller
 ) -> dict[str, Any]:
-    """An edge reports one verification (`farm verify`); a failed one quarantines the blob."""
+    """An edge reports one verification (`farm verify`); a failed one quarantines the blob.
+    Bounded: FARM_MAX_REPORT_BYTES a report (413 `report_too_large`), FARM_MAX_REPORTS_PER_BLOB
+    and FARM_MAX_REPORTS_PER_AGENT reports a blob (429 `too_many_reports`)."""
+    settings = farm.settings
+    size = len(body.model_dump_json())
+    if size > settings.max_report_bytes:
+        raise ReportTooLarge(
+            f"the report is {size} bytes of JSON; keep it under the limit (fewer outputs, "
+            "a shorter error)",
+            setting="FARM_MAX_REPORT_BYTES",
+            limit=settings.max_report_bytes,
+        )
     report = body.model_dump()
+    limits = verifications.ReportLimits(
+        settings.max_reports_per_blob, settings.max_reports_per_agent
+    )
     with farm.session() as session:
         verification, quarantined = verifications.record_verification(
             session,
             cache_key,
             report.pop("blob_sha256"),
             report,
-            farm.settings.quarantine_on_failure,
+            settings.quarantine_on_failure,
+            limits,
         )
         return {"id": verification.id, "passed": verification.passed, "quarantined": quarantined}
 

@@ -13,6 +13,7 @@ from farm.core.errors import ApiError, ChecksumMismatch
 from farm.server.api.deps import Farm, SubmitCaller, known_query_only
 from farm.server.api.schemas import MissingRequest, MissingResponse, Sha256
 from farm.server.api.uploads import upload_slots
+from farm.server.context import FarmContext
 from farm.server.jobs import service
 from farm.server.memory import release_free_memory
 from farm.server.storage import ObjectWriter, model_storage_key
@@ -34,11 +35,14 @@ def missing_models(body: MissingRequest, farm: Farm, _: SubmitCaller) -> Missing
     responses={409: {}, 411: {}, 413: {}, 415: {}, 503: {}},
 )
 async def upload_model(
-    sha256: Sha256, request: Request, farm: Farm, _: SubmitCaller
+    sha256: Sha256, request: Request, farm: Farm, caller: SubmitCaller
 ) -> dict[str, Any]:
     """Upload one model file, streamed as `application/octet-stream`; its sha256 is verified
     against the digest in the URL before anything is stored. Past FARM_MAX_CONCURRENT_UPLOADS
-    uploads at once: 503 `too_many_uploads` with Retry-After."""
+    uploads at once: 503 `too_many_uploads` with Retry-After; past FARM_MAX_UPLOADS_PER_TOKEN
+    of one token: 429 `too_many_uploads_for_token`; past the token's stored bytes quota: 413
+    `storage_quota_exceeded`. The whole body must arrive within FARM_API_BODY_TIMEOUT_SECONDS
+    plus its size at FARM_API_UPLOAD_MIN_BYTES_PER_SECOND (408 past it)."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/octet-stream":
         raise ApiError(415, "unsupported_media_type", "send the file as application/octet-stream")
     declared = request.headers.get("content-length")
@@ -53,7 +57,11 @@ async def upload_model(
     key = model_storage_key(sha256)
     if farm.store.exists(key):
         return {"sha256": sha256, "stored": False}
-    with upload_slots(request, farm.settings.max_concurrent_uploads).hold():
+    await run_in_threadpool(_check_quota, farm, caller.name, int(declared))
+    slots = upload_slots(
+        request, farm.settings.max_concurrent_uploads, farm.settings.max_uploads_per_token
+    )
+    with slots.hold(caller.name):
         writer = farm.store.writer(key, expected_sha256=sha256)
         try:
             await _stream_into(writer, request, int(declared))
@@ -71,7 +79,18 @@ async def upload_model(
             writer.close()
             # The upload's buffers, freed, go back to the OS rather than stay with glibc.
             await run_in_threadpool(release_free_memory)
+    await run_in_threadpool(_record_upload, farm, caller.name, sha256, int(declared))
     return {"sha256": sha256, "stored": True}
+
+
+def _check_quota(farm: FarmContext, submitter: str, size: int) -> None:
+    with farm.session() as session:
+        service.check_storage_quota(session, farm.settings, submitter, size)
+
+
+def _record_upload(farm: FarmContext, submitter: str, sha256: str, size: int) -> None:
+    with farm.session() as session:
+        service.record_upload(session, submitter, sha256, size)
 
 
 async def _stream_into(writer: ObjectWriter, request: Request, declared: int) -> None:
