@@ -95,6 +95,12 @@ def test_job_pages_continue_after_the_cursor_job(served_farm):
         encode("job", "12"),  # a job cursor for the blob list
         encode("blob", "yesterday", "3"),
         encode("blob", T0.isoformat()),
+        encode("blob", "0001-01-01T00:00:00+14:00", "1"),  # no UTC equivalent
+        encode("blob", "2026-01-01T00:00:00", "1"),  # no zone: never handed out
+        encode("blob", T0.isoformat(), "²"),  # a digit to str.isdigit(), not to int()
+        encode("blob", T0.isoformat(), "1" * 60),  # past any integer column
+        encode("blob", T0.isoformat(), "1\x00"),
+        encode("blob", T0.isoformat(), "1") + "!",  # not base64 past its end
         "",
     ],
 )
@@ -105,6 +111,20 @@ def test_a_blob_cursor_the_server_did_not_hand_out_is_bad_input(embedded_farm, c
             return
         with pytest.raises(InvalidCursor, match="is not"):
             list_blobs(session, None, 5, cursor)
+
+
+@pytest.mark.parametrize(
+    "job_id", ["²", "9223372036854775808", "1" * 60, "12\x00", "-1", " 1", "1_000"]
+)
+def test_a_tampered_job_cursor_is_bad_input(served_farm, job_id):
+    with served_farm.session() as session, pytest.raises(InvalidCursor, match="is not"):
+        list_jobs(session, cursor=encode("job", job_id))
+
+
+def test_a_worker_cursor_with_a_control_character_is_bad_input():
+    with pytest.raises(InvalidCursor):
+        after_worker(encode("worker", "w\x00"))
+    assert after_worker(encode("worker", "w|1")) == "w|1"
 
 
 def test_a_job_cursor_for_another_list_is_bad_input(served_farm):

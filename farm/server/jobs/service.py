@@ -64,11 +64,14 @@ def submit(
     submission_id: str | None = None,
     max_attempts: int | None = None,
     reference_inputs: str | None = None,
+    commit: bool = True,
 ) -> Submission:
-    """Return the hit, the active job for the same cache key, or a new queued job (flushed in
-    the caller's transaction, not committed).
+    """Return the hit, the active job for the same cache key, or a new queued job.
 
-    The caller commits, then sends a new job's message (`submit_matrix`). A new job
+    With `commit`, the new row is committed, and an insert race lost on the partial unique
+    index answers the winner's job. Without (`submit_matrix`), it is only flushed into the
+    caller's transaction, and a lost race raises IntegrityError: the caller rolls back and
+    runs again. Either way the caller sends a new job's message after the commit. A new job
     needs the model's files in the store: ModelMissing names those it lacks. `max_attempts`:
     claims the new job gets (`Settings.max_attempts`); None: the column's default.
     `reference_inputs`: sha256 of the submitter's reference inputs, stored like a model file
@@ -98,13 +101,16 @@ def submit(
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
+    session.add(job)
+    if not commit:
+        session.flush()
+        return Submission("queued", key, job.id)
     try:
-        with session.begin_nested():
-            session.add(job)
+        session.commit()
     except IntegrityError:
         # Another submitter inserted the active job for this key between our check and our
-        # insert; the partial unique index refused ours (only ours: a savepoint). Theirs is
-        # the job to follow.
+        # insert; the partial unique index refused ours. Theirs is the job to follow.
+        session.rollback()
         active = _active_job_id(session, key)
         if active is None:
             raise
@@ -189,6 +195,62 @@ def submit_matrix(
     can compile again (an embedded farm never deletes a blob it could not replace).
     """
     submission_id = uuid.uuid4().hex
+    for attempt in range(1, RACE_ATTEMPTS + 1):
+        try:
+            results, to_send = _record_matrix(
+                session,
+                store,
+                settings,
+                identity,
+                specs,
+                toolchain,
+                describe_model=describe_model,
+                upload_from=upload_from,
+                submitter=submitter,
+                refuse_uncompilable=refuse_uncompilable,
+                reference_inputs=reference_inputs,
+                rebuild=rebuild,
+                submission_id=submission_id,
+            )
+            session.commit()
+            break
+        except IntegrityError:
+            # Another submission inserted the active job of one of our keys between our
+            # check and our insert (the partial unique index refused ours). Nothing of this
+            # matrix is recorded: run it again, and that key is answered with the winner's job.
+            session.rollback()
+            if attempt == RACE_ATTEMPTS:
+                raise
+        except BaseException:
+            session.rollback()
+            raise
+    for job_id, queue in to_send:
+        dispatch(session, dispatcher, job_id, queue)
+    return MatrixSubmission(submission_id, results)
+
+
+RACE_ATTEMPTS = 3
+"""Times `submit_matrix` runs a matrix that lost an insert race to another submission."""
+
+
+def _record_matrix(
+    session: Session,
+    store: BlobStore,
+    settings: Settings,
+    identity: Mapping[str, str],
+    specs: Sequence[CompileSpec],
+    toolchain: Toolchain,
+    *,
+    describe_model: Callable[[], ModelInfo],
+    upload_from: ModelRef | None,
+    submitter: str | None,
+    refuse_uncompilable: bool,
+    reference_inputs: str | None,
+    rebuild: bool,
+    submission_id: str,
+) -> tuple[list[tuple[CompileSpec, Submission]], list[tuple[int, str]]]:
+    """`submit_matrix`'s rows, flushed and not committed: the outcome per spec, and the new
+    jobs to dispatch once they are committed."""
     if rebuild:
         compilable = [
             spec
@@ -217,34 +279,27 @@ def submit_matrix(
             check_submitter_limits(
                 session, settings, submitter, [queue for queue in queues if queue is not None]
             )
-    try:
-        for spec, outcome, queue in zip(specs, known, queues, strict=True):
-            if outcome is None:
-                assert model is not None and queue is not None
-                outcome = _new_job(
-                    session,
-                    store,
-                    model,
-                    spec,
-                    toolchain,
-                    queue,
-                    settings,
-                    submitter=submitter,
-                    submission_id=submission_id,
-                    reference_inputs=reference_inputs,
-                    upload_from=upload_from,
-                )
-                if outcome.outcome == "queued":
-                    assert outcome.job_id is not None
-                    to_send.append((outcome.job_id, queue))
-            results.append((spec, outcome))
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    for job_id, queue in to_send:
-        dispatch(session, dispatcher, job_id, queue)
-    return MatrixSubmission(submission_id, results)
+    for spec, outcome, queue in zip(specs, known, queues, strict=True):
+        if outcome is None:
+            assert model is not None and queue is not None
+            outcome = _new_job(
+                session,
+                store,
+                model,
+                spec,
+                toolchain,
+                queue,
+                settings,
+                submitter=submitter,
+                submission_id=submission_id,
+                reference_inputs=reference_inputs,
+                upload_from=upload_from,
+            )
+            if outcome.outcome == "queued":
+                assert outcome.job_id is not None
+                to_send.append((outcome.job_id, queue))
+        results.append((spec, outcome))
+    return results, to_send
 
 
 def _new_job(
@@ -275,6 +330,7 @@ def _new_job(
         submission_id=submission_id,
         max_attempts=settings.max_attempts,
         reference_inputs=reference_inputs,
+        commit=False,
     )
     try:
         return new()
