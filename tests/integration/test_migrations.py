@@ -21,6 +21,8 @@ TABLES = {
     "api_tokens",
     "blob_deletions",
     "verifications",
+    "model_uploads",
+    "dashboard_sessions",
 }
 
 
