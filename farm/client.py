@@ -24,7 +24,9 @@ from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
 UPLOAD_ATTEMPTS = 30
-"""Tries of one upload that the API turns away as busy (503 `too_many_uploads`)."""
+"""Tries of one upload that the API turns away as busy (`UPLOADS_BUSY`)."""
+UPLOADS_BUSY = {(503, "too_many_uploads"), (429, "too_many_uploads_for_token")}
+"""An API streaming all the uploads it may, or all this token may: wait for Retry-After."""
 UPLOAD_RETRY_MAX_SECONDS = 60.0
 """The longest wait between two tries, whatever the API's Retry-After says."""
 PAGE = 1000
@@ -104,7 +106,8 @@ class FarmClient:
     def upload(self, sha256: str, path: Path, progress: Progress | None = None) -> dict:
         """Stream one file up (never held whole in memory); the server checks its sha256.
 
-        An API streaming as many uploads as it may (503 `too_many_uploads`) is tried again
+        An API streaming as many uploads as it may (503 `too_many_uploads`), or as this token
+        may (429 `too_many_uploads_for_token`), is tried again
         after its Retry-After, up to UPLOAD_ATTEMPTS times; the bytes a turned-away try had
         reported to `progress` are taken back (a negative count)."""
         size = Path(path).stat().st_size
@@ -136,7 +139,7 @@ class FarmClient:
                     "unreachable",
                     f"cannot reach the farm API at {self.http.base_url} (FARM_API_URL): {error}",
                 ) from error
-            busy = response.status_code == 503 and _error_code(response) == "too_many_uploads"
+            busy = (response.status_code, _error_code(response)) in UPLOADS_BUSY
             if not busy or attempt == UPLOAD_ATTEMPTS:
                 _raise_for_error(response)
                 return response.json()

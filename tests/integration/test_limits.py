@@ -23,6 +23,7 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
+from farm.client import FarmClient
 from farm.core.clock import now
 from farm.server.db.models import Blob, Job, Verification
 from farm.server.storage import blob_storage_key
@@ -96,15 +97,12 @@ def _drip(api, token: str, size: int, answers: list, every: float = 1.0) -> None
             except OSError:
                 break
         sock.settimeout(30)
-        while b"\r\n\r\n" not in answer:
-            more = sock.recv(4096)
-            if not more:
-                break
+        while more := sock.recv(4096):  # the answer's head and body, until the server closes
             answer += more
     answers.append((answer.split(b"\r\n")[0].decode(), answer, time.monotonic() - start))
 
 
-def test_dripping_clients_cannot_hold_the_upload_slots(limited):
+def test_dripping_clients_cannot_hold_the_upload_slots(limited, tmp_path):
     answers: list = []
     drippers = [
         threading.Thread(target=_drip, args=(limited, limited.tokens["dripper"], 5000, answers))
@@ -116,6 +114,12 @@ def test_dripping_clients_cannot_hold_the_upload_slots(limited):
     # Two of the four hold this token's share; another token still uploads at once.
     other = _upload(limited, "other", b"another client's model file")
     assert other.status_code == 201, other.text
+    # The dripping token's own client waits for its share (429, Retry-After) and gets in.
+    model = tmp_path / "model.bin"
+    model.write_bytes(os.urandom(10_000))
+    with FarmClient(limited.url, limited.tokens["dripper"]) as client:
+        digest = hashlib.sha256(model.read_bytes()).hexdigest()
+        assert client.upload(digest, model) == {"sha256": digest, "stored": True}
     for thread in drippers:
         thread.join(60)
     statuses = sorted(status for status, _, _ in answers)
