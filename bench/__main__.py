@@ -5,12 +5,17 @@ rewrite the results section of bench/README.md from bench/results/*.json.
     bench/run edge hashing    only these
     bench/run --list          their names
     bench/run --report        only rewrite the README section from the results already there
+    bench/run --smoke         every benchmark end to end on tiny inputs, one run each (a few
+                              minutes; scripts/test runs it so no benchmark rots); its figures go
+                              to a scratch folder and mean nothing
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 
 from .common import REPO, child_env, log
 from .report import update_readme
@@ -26,31 +31,51 @@ BENCHMARKS = {
     "verify": "farm verify vs a plain import + one inference of the same blob (issue 16)",
     "submit_overhead": "embedded submit of a 512 MB IR vs direct compile + one sha256 (17.16)",
 }
+ON_DEMAND = {
+    "catalog": "the catalog at production scale: 1M blobs, 5M pulls (issue 18; hours, by name)",
+}
+"""Benchmarks run only when named (or by --smoke, on a tiny scale)."""
+SMOKE_ARGS = {"catalog": ["--scale", "0.0002"]}
+"""Arguments that make a benchmark tiny under --smoke (the others read FARM_BENCH_SMOKE)."""
 
 
 def main(argv: list[str]) -> int:
+    known = {**BENCHMARKS, **ON_DEMAND}
     if "--list" in argv:
-        for name, what in BENCHMARKS.items():
-            print(f"{name:<14} {what}")
+        for name, what in known.items():
+            print(f"{name:<16} {what}")
         return 0
     if "--report" in argv:
         update_readme()
         return 0
-    names = argv or list(BENCHMARKS)
-    unknown = [name for name in names if name not in BENCHMARKS]
+    smoke = "--smoke" in argv
+    names = [name for name in argv if name != "--smoke"] or list(BENCHMARKS)
+    if smoke and not [name for name in argv if name != "--smoke"]:
+        names = list(known)
+    unknown = [name for name in names if name not in known]
     if unknown:
-        print(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+        print(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
         return 2
+    env = child_env()
+    if smoke:
+        env["FARM_BENCH_SMOKE"] = "1"
+        env["FARM_BENCH_RESULTS"] = tempfile.mkdtemp(prefix="farm-bench-smoke-")
     failed = []
     for name in names:
-        log(f"=== {name}: {BENCHMARKS[name]}")
+        log(f"=== {name}{' (smoke)' if smoke else ''}: {known[name]}")
+        args = SMOKE_ARGS.get(name, []) if smoke else []
         result = subprocess.run(
-            [sys.executable, "-m", f"bench.{name}"], cwd=REPO, env=child_env(), check=False
+            [sys.executable, "-m", f"bench.{name}", *args], cwd=REPO, env=env, check=False
         )
         if result.returncode != 0:
             failed.append(name)
             log(f"{name} failed (exit {result.returncode})")
-    update_readme()
+    if not smoke:
+        update_readme()
+    elif not os.environ.get("FARM_BENCH_KEEP"):
+        import shutil
+
+        shutil.rmtree(env["FARM_BENCH_RESULTS"], ignore_errors=True)
     if failed:
         log(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -36,7 +36,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, child_env, log, percentile, scratch, target, write_result
+from .common import REPO, child_env, log, percentile, scaled, scratch, target, write_result
 from .stack import fresh_database
 
 DAY = 86400.0
@@ -652,7 +652,7 @@ def api_timings(
 
 
 async def _concurrent(
-    base: str, case: tuple, loaded: dict, resolve: bool, seconds: float = 20.0
+    base: str, case: tuple, loaded: dict, resolve: bool, seconds: float = scaled(20.0, 1.0)
 ) -> dict[str, Any]:
     import httpx
 

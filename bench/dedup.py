@@ -30,6 +30,7 @@ from .common import (
     comparison,
     log,
     percentile,
+    scaled,
     scratch,
     stats,
     target,
@@ -38,8 +39,8 @@ from .common import (
 from .stack import served_stack
 
 NAME = "dedup"
-STORM = 200
-HITS_PER_ROUND = 200
+STORM = scaled(200, 10)
+HITS_PER_ROUND = scaled(200, 10)
 
 
 def submission_body(ref: ModelRef) -> dict:

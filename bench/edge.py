@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from farm.server.jobs.service import blob_storage_key
+from farm.server.storage import blob_storage_key
 
 from .common import (
     MB,
@@ -31,6 +31,7 @@ from .common import (
     log,
     probe,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
@@ -39,7 +40,7 @@ from .common import (
 from .stack import served_stack
 
 NAME = "edge"
-MODEL_MB = 512
+MODEL_MB = scaled(512, 8)
 READ_CHUNK = 1 << 20
 """Read size of the boto3 baseline, as the farm client's (farm.client.DOWNLOAD_CHUNK)."""
 

@@ -19,10 +19,10 @@ from farm.core import hashing
 from farm.core.digests import DigestCache
 from farm.core.identity import ModelRef
 
-from .common import MB, RUNS, comparison, log, ratio, scratch, stats, target, write_result
+from .common import MB, RUNS, comparison, log, ratio, scaled, scratch, stats, target, write_result
 
 NAME = "hashing"
-FILE_BYTES = 2**30
+FILE_BYTES = scaled(2**30, 2**26)
 WRITE_CHUNK = 64 * MB
 
 
@@ -81,7 +81,7 @@ def main() -> dict:
             lambda: ModelRef.from_path(root / "model.xml", digests=DigestCache(cache_file).sha256)
         )
         resubmit = []
-        for _ in range(max(RUNS, 20)):
+        for _ in range(scaled(max(RUNS, 20), 2)):
             elapsed, ref = timed(
                 lambda: ModelRef.from_path(
                     root / "model.xml", digests=DigestCache(cache_file).sha256

@@ -32,7 +32,7 @@ from farm.client import ApiError, FarmClient
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec
 from farm.server.db.models import Job
-from farm.server.jobs.service import blob_storage_key, model_storage_key
+from farm.server.storage import blob_storage_key, model_storage_key
 
 from .common import (
     MB,
@@ -43,6 +43,7 @@ from .common import (
     log,
     probe,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
@@ -52,7 +53,7 @@ from .observe import WorkDirWatcher, timestamp
 from .stack import served_stack
 
 NAME = "overhead"
-MODEL_MB = 512
+MODEL_MB = scaled(512, 8)
 POLL_SECONDS = 0.005
 QUIET_POLL_SECONDS = 0.1
 REFETCH_FRACTION = 0.25

@@ -27,6 +27,7 @@ from .common import (
     log,
     probe,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
@@ -37,9 +38,9 @@ from .overhead import body_for, wait_all_final
 from .stack import served_stack
 
 NAME = "scaleout"
-BATCH = 20
+BATCH = scaled(20, 2)
 """Jobs per batch."""
-FRESH_SAMPLES = 3
+FRESH_SAMPLES = scaled(3, 1)
 """Direct compiles in a fresh process each, per run (the per-job floor of a compile child)."""
 
 

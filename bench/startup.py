@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO, RUNS, comparison, log, ratio, scratch, stats, target, write_result
+from .common import REPO, RUNS, comparison, log, ratio, scaled, scratch, stats, target, write_result
 
 NAME = "startup"
 BASELINE = os.environ.get("FARM_BENCH_STARTUP_BASELINE", "9a4dfe0")
@@ -130,7 +130,7 @@ def main() -> dict:
                 command: {way: [] for way in ways} for command in COMMANDS
             }
             python_alone: list[float] = []
-            runs = max(RUNS, 10)
+            runs = scaled(max(RUNS, 10), 1)
             for env in ways.values():  # warm the page cache and the .pyc files
                 for command, args in COMMANDS.items():
                     run_farm(env, *args, *([key] if command.endswith("KEY") else []))

@@ -35,6 +35,7 @@ from .common import (
     child_env,
     comparison,
     log,
+    scaled,
     scratch,
     stats,
     target,
@@ -42,7 +43,7 @@ from .common import (
 )
 
 NAME = "submit_overhead"
-MODEL_MB = 512
+MODEL_MB = scaled(512, 8)
 FARM = Path(sys.executable).with_name("farm")
 DIRECT_COMPILE = """
 import sys, time

@@ -25,13 +25,14 @@ from .common import (
     comparison,
     log,
     probe,
+    scaled,
     scratch,
     stats,
     write_result,
 )
 
 NAME = "verify"
-MODEL_MB = 256
+MODEL_MB = scaled(256, 8)
 
 
 def main() -> dict:

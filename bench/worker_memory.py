@@ -25,6 +25,7 @@ from .common import (
     log,
     probe,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
@@ -35,7 +36,7 @@ from .overhead import body_for, wait_final
 from .stack import served_stack
 
 NAME = "worker_memory"
-MODEL_MB = 512
+MODEL_MB = scaled(512, 8)
 
 
 def main() -> dict:

@@ -7,6 +7,8 @@ import contextlib
 import hashlib
 import http.client
 import os
+import queue
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -32,7 +34,10 @@ UPLOAD_RETRY_MAX_SECONDS = 60.0
 PAGE = 1000
 """Rows asked for per request when listing (the API's largest page)."""
 DOWNLOAD_CHUNK = 1 << 20
-"""Bytes read from the socket, written and hashed per step of a download (one reused buffer)."""
+"""Bytes read from the socket, written and hashed per step of a download."""
+DOWNLOAD_BUFFERS = 3
+"""Reused buffers of one download: one filling from the socket while the others are written
+and hashed (a download holds DOWNLOAD_BUFFERS x DOWNLOAD_CHUNK, whatever the blob's size)."""
 DOWNLOAD_TIMEOUT_SECONDS = 60.0
 """A download that receives nothing for this long is broken off (and resumed by the agent)."""
 Progress = Callable[[int], None]
@@ -470,22 +475,20 @@ def _fetch(
         capped = _Capped(dest, start if resumed else 0, limit)
         capped.announced(response.length)
         digest = _digest_of(dest) if resumed else hashlib.sha256()
-        buffer = bytearray(DOWNLOAD_CHUNK)
-        view = memoryview(buffer)
-        with open(dest, "ab" if resumed else "wb") as sink:
+        with open(dest, "ab" if resumed else "wb") as sink, _HashingWriter(sink, digest) as writer:
             while True:
+                buffer = writer.free_buffer()
                 try:
                     count = response.readinto(buffer)
                 except (OSError, http.client.HTTPException) as error:
+                    writer.give_back(buffer)
                     raise ApiError(
                         0, "unreachable", f"download from {parts.netloc} broke off: {error}"
                     ) from error
-                if not count:
-                    break  # the end, or the connection closed early (checked below)
-                if not capped.fits(count):
-                    break
-                sink.write(view[:count])
-                digest.update(view[:count])
+                if not count or not capped.fits(count):
+                    writer.give_back(buffer)
+                    break  # the end, the connection closed early (checked below), or too long
+                writer.write(buffer, count)
                 if progress:
                     progress(count)
         capped.done()
@@ -498,6 +501,57 @@ def _fetch(
         return digest.hexdigest()
     finally:
         connection.close()
+
+
+class _HashingWriter:
+    """Writes and hashes a download's chunks on a thread of its own while the next chunk is
+    read from the socket: hashlib and file writes release the GIL, so the sha256 overlaps the
+    transfer instead of following it (one thread did both at about 0.88x raw boto3's speed).
+    Chunks are written in the order they were read; the first write error is raised by the
+    `with` block's exit (or the next `write`)."""
+
+    def __init__(self, sink: Any, digest: Any) -> None:
+        self._sink, self._digest = sink, digest
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(DOWNLOAD_BUFFERS):
+            self._free.put(bytearray(DOWNLOAD_CHUNK))
+        self._full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="download-hash", daemon=True)
+
+    def __enter__(self) -> _HashingWriter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._full.put(None)
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error
+
+    def free_buffer(self) -> bytearray:
+        """A buffer to read into: waits while every buffer is still being written."""
+        return self._free.get()
+
+    def give_back(self, buffer: bytearray) -> None:
+        self._free.put(buffer)
+
+    def write(self, buffer: bytearray, count: int) -> None:
+        if self._error is not None:
+            raise self._error
+        self._full.put((buffer, count))
+
+    def _drain(self) -> None:
+        while (item := self._full.get()) is not None:
+            buffer, count = item
+            if self._error is None:
+                try:
+                    with memoryview(buffer) as view:
+                        self._sink.write(view[:count])
+                        self._digest.update(view[:count])
+                except BaseException as error:  # raised in the reading thread
+                    self._error = error
+            self._free.put(buffer)
 
 
 def _proxied(url: str) -> bool:

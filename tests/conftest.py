@@ -89,6 +89,26 @@ def s3_store(s3_url):
     return store
 
 
+def _redis_dbs() -> Iterator[int]:
+    """Redis database numbers 1..15 (0 is the benchmarks'), split between pytest-xdist's
+    processes so two tests running at once never share one; each process runs one test at a
+    time and takes its numbers in turn (a test may hold two at once, a worker and its edge's)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw") or 0)
+    per_process = 15 // max(1, min(processes, 5))
+    first = 1 + (index % 5) * per_process
+    while True:
+        yield from range(first, first + per_process)
+
+
+_REDIS_DBS = _redis_dbs()
+
+
+def _next_redis_db() -> int:
+    return next(_REDIS_DBS)
+
+
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """A Redis database number of its own, flushed before and after."""
@@ -105,7 +125,7 @@ def fresh_redis_url() -> Iterator[str]:
         client.ping()
     except redis.ConnectionError as error:
         service_missing("Redis (scripts/services up)", error)
-    number = 1 + uuid.uuid4().int % 15
+    number = _next_redis_db()
     db = redis.Redis.from_url(f"{REDIS_URL}/{number}")
     db.flushdb()
     yield f"{REDIS_URL}/{number}"

@@ -32,10 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- readme-test: (?P<name>[\w-]+) -->\n```sh\n(?P<code>.*?)\n```", re.S)
 VENV = ROOT / ".venv"
 
-pytestmark = pytest.mark.skipif(
-    Path(sys.prefix).resolve() != VENV.resolve(),
-    reason="the README's install steps run against this checkout's .venv; run pytest from it",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        Path(sys.prefix).resolve() != VENV.resolve(),
+        reason="the README's install steps run against this checkout's .venv; run pytest from it",
+    ),
+    # The blocks install into .venv and write under the checkout (.farm/, demo/): under
+    # pytest-xdist they run one at a time, in one process, with scripts/services' own tests.
+    pytest.mark.xdist_group("checkout"),
+]
 
 
 def readme_blocks() -> dict[str, str]:

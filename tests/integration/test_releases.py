@@ -15,6 +15,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from farm.toolchain import openvino_release
 from tests import models
@@ -37,14 +38,15 @@ def old_python() -> str:
     must be able to read this OpenVINO's libraries."""
     folder = REPO / f".venv-openvino-{OLD_RELEASE}"
     python = folder / "bin" / "python"
-    if not python.exists():
-        venv.create(folder, with_pip=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", f"openvino=={OLD_RELEASE}"],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    with FileLock(f"{folder}.lock"):  # pytest-xdist's processes make it once
+        if not python.exists():
+            venv.create(folder, with_pip=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", f"openvino=={OLD_RELEASE}"],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
     ours = next(p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir())
     own = next((folder / "lib").glob("python3*/site-packages"))
     (own / "zz_farm_base.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")

@@ -22,6 +22,10 @@ from tests.integration.served import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# scripts/services keeps its state under the checkout (.farm/services): one process at a time
+# under pytest-xdist, with the README blocks that run it too.
+pytestmark = pytest.mark.xdist_group("checkout")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
