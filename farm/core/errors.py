@@ -265,6 +265,13 @@ class DatabaseUnavailable(ServiceUnavailable):
     code = "database_unavailable"
 
 
+class BrokerUnavailable(ServiceUnavailable):
+    """The broker did not take a job's message (down, restarting, wrong URL). The job is
+    recorded all the same: the reconciler sends it when the broker is back."""
+
+    code = "broker_unavailable"
+
+
 class WorkDiskFull(FarmError):
     """The worker's temporary directory has no room for a compile's files. An infrastructure
     error: the job is retried (perhaps by a worker with more room), then fails with this."""

@@ -12,7 +12,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, defer
 from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import Forbidden, ModelMissing, NotFound
+from farm.core.errors import BrokerUnavailable, Forbidden, ModelMissing, NotFound
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
@@ -43,6 +43,8 @@ class Submission:
     job_id: int | None = None
     reason: str | None = None
     """Why an `unavailable` spec was not submitted."""
+    note: str | None = None
+    """What a user should know of a queued job: one the broker did not take (`unsent_note`)."""
 
 
 def submit(
@@ -223,9 +225,42 @@ def submit_matrix(
                 assert outcome.job_id is not None
                 to_send.append((outcome.job_id, queue))
         results.append((spec, outcome))
-    for job_id, queue in to_send:
-        dispatch(session, dispatcher, job_id, queue)
+    unsent = _send_new_jobs(session, dispatcher, to_send)
+    if unsent:
+        results = [
+            (spec, replace(outcome, note=unsent.get(outcome.job_id or 0, outcome.note)))
+            for spec, outcome in results
+        ]
     return MatrixSubmission(submission_id, results)
+
+
+def _send_new_jobs(
+    session: Session, dispatcher: Dispatcher, jobs: Sequence[tuple[int, str]]
+) -> dict[int, str]:
+    """Send each new (committed) job; the note of each the broker did not take. Once the
+    broker has refused one, the rest are not tried (each try waits for Celery's retries):
+    their rows are recorded unsent, and the reconciler sends them when the broker is back."""
+    unsent: dict[int, str] = {}
+    down: BrokerUnavailable | None = None
+    for job_id, queue in jobs:
+        if down is None:
+            try:
+                dispatch(session, dispatcher, job_id, queue)
+                continue
+            except BrokerUnavailable as error:
+                log.warning("%s", error)
+                down = error
+        unsent[job_id] = unsent_note(job_id)
+    return unsent
+
+
+def unsent_note(job_id: int) -> str:
+    """What a submitter is told of a job recorded while the broker was down."""
+    return (
+        f"job {job_id} is recorded, but the broker (FARM_BROKER_URL) is unreachable: the job "
+        "will be sent when the broker is back (the reconciler resends it: a worker started "
+        "with --beat, or `farm reconcile`)"
+    )
 
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:

@@ -76,7 +76,9 @@ def submit(
                     cache_key=outcome.cache_key,
                     target=spec.target.name,
                     outcome=outcome.outcome,
-                    job=_job_out(farm, session, service.get_job(session, outcome.job_id))
+                    job=_job_out(
+                        farm, session, service.get_job(session, outcome.job_id), outcome.note
+                    )
                     if outcome.job_id
                     else None,
                     reason=outcome.reason,
@@ -173,5 +175,5 @@ def _job_id(job_id: int) -> int:
     return job_id
 
 
-def _job_out(farm: FarmContext, session: Session, job: Job) -> JobOut:
-    return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds))
+def _job_out(farm: FarmContext, session: Session, job: Job, note: str | None = None) -> JobOut:
+    return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds, note))
