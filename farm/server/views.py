@@ -118,14 +118,10 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
     }
 
 
-def job_view(
-    session: Session, job: Job, heartbeat_seconds: int, note: str | None = None
-) -> dict[str, Any]:
+def job_view(session: Session, job: Job, heartbeat_seconds: int) -> dict[str, Any]:
     """A job as `farm status` and `GET /v1/jobs/{id}` show it: with the note of a queued job
-    that no live worker can take, after `note` (what its submission adds: `Submission.note`)."""
-    view = job_views(session, [job], heartbeat_seconds)[0]
-    view["note"] = "; ".join(filter(None, (note, view["note"]))) or None
-    return view
+    that no live worker can take."""
+    return job_views(session, [job], heartbeat_seconds)[0]
 
 
 def job_views(

@@ -27,6 +27,7 @@ def closed_broker() -> dict[str, str]:
 def test_a_submit_while_the_broker_is_down_records_the_job_and_says_it_will_be_sent(
     served, conv_xml
 ):
+    served.start_worker("w1")  # live, on the real broker: only the submitter's broker is down
     result = served.farm("submit", str(conv_xml), "-d", "CPU", "--json", env=closed_broker())
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
@@ -37,14 +38,33 @@ def test_a_submit_while_the_broker_is_down_records_the_job_and_says_it_will_be_s
     assert "internal" not in result.stderr and "Traceback" not in result.stderr
     assert served.job(job_id).sent_at is None
 
-    human = served.farm("submit", str(conv_xml), "-d", "CPU", "--hint", "LATENCY", env=closed_broker())
+    human = served.farm(
+        "submit", str(conv_xml), "-d", "CPU", "--hint", "LATENCY", env=closed_broker()
+    )
     assert human.returncode == 0, human.stderr
-    assert "is recorded, but the broker (FARM_BROKER_URL) is unreachable" in human.stdout
+    assert "is recorded, but the broker (FARM_BROKER_URL) has not taken it" in human.stdout
 
-    # The broker is back: the reconciler sends what was recorded, and a worker compiles it.
+    # --wait --json: stderr is one JSON object, with what would have been said on the way in it.
+    waited = served.farm(
+        "submit",
+        str(conv_xml),
+        "-d",
+        "CPU",
+        "--wait",
+        "--wait-timeout",
+        "1",
+        "--json",
+        check=False,
+        env=closed_broker(),
+    )
+    assert waited.returncode == 7, waited.stderr
+    (error,) = [json.loads(line) for line in waited.stderr.splitlines()]
+    assert error["code"] == "wait_timeout" and error["exit"] == 7
+    assert error["notes"] == [f"job {job_id}: {answer['note']}"]
+
+    # The broker is back: the reconciler sends what was recorded, and the worker compiles it.
     served.farm("reconcile")
     assert served.job(job_id).sent_at is not None
-    served.start_worker("w1")
     assert served.wait_job(job_id).state == "succeeded"
 
 

@@ -29,7 +29,7 @@ def farm_cli(home: Path, *args: str, **env: str | None) -> Result:
     """`farm ARGS` on the embedded farm in `home` (none of the developer's FARM_ settings)."""
     clean: dict[str, str | None] = {name: None for name in os.environ if name.startswith("FARM_")}
     return CliRunner(env={**clean, "FARM_HOME": str(home), **env}).invoke(
-        main, list(args), catch_exceptions=False
+        main, list(args), catch_exceptions=False, prog_name="farm"
     )
 
 
@@ -127,6 +127,24 @@ def test_without_json_an_error_is_one_line(farm):
     assert result.stderr == (
         "farm: error: no blob and no job has a cache key starting with deadbeef\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["submit", "model.xml"], "Missing option '--device' / '-d' (`farm submit --help`"),
+        (["jobs", "--state", "lost"], "Invalid value for '--state'"),
+        (["nosuch"], "No such command 'nosuch' (`farm --help`"),
+        (["--bogus"], "No such option '--bogus' (`farm --help`"),
+        (["blobs", "quarantine"], "Missing argument 'CACHE_KEY' (`farm blobs quarantine --help`"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_the_usage_stays_under_help(tmp_path, args, says):
+    result = farm_cli(tmp_path, *args)
+    assert result.exit_code == 2
+    assert says in one_error(result)
+    assert "Usage:" not in result.output
+    assert farm_cli(tmp_path, "submit", "--help").stdout.startswith("Usage: farm submit ")
 
 
 # --- commands that need the database, with only the API configured ----------------------------

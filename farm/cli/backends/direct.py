@@ -106,7 +106,7 @@ class Direct:
                     "cache_key": outcome.cache_key,
                     "target": spec.target.name,
                     "outcome": outcome.outcome,
-                    "job": self.job(outcome.job_id, outcome.note) if outcome.job_id else None,
+                    "job": self.job(outcome.job_id) if outcome.job_id else None,
                     "reason": outcome.reason,
                 }
                 for spec, outcome in submitted.results
@@ -126,10 +126,10 @@ class Direct:
 
         return InlineDispatcher(run)
 
-    def job(self, job_id: int, note: str | None = None) -> dict[str, Any]:
+    def job(self, job_id: int) -> dict[str, Any]:
         with self._session() as session:
             job = jobs.get_job(session, job_id)
-            return job_view(session, job, self.farm.settings.worker_heartbeat_seconds, note)
+            return job_view(session, job, self.farm.settings.worker_heartbeat_seconds)
 
     def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:

@@ -12,7 +12,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
@@ -43,8 +43,6 @@ class Submission:
     job_id: int | None = None
     reason: str | None = None
     """Why an `unavailable` spec was not submitted."""
-    note: str | None = None
-    """What a user should know of a queued job: one the broker did not take (`unsent_note`)."""
 
 
 def submit(
@@ -225,42 +223,23 @@ def submit_matrix(
                 assert outcome.job_id is not None
                 to_send.append((outcome.job_id, queue))
         results.append((spec, outcome))
-    unsent = _send_new_jobs(session, dispatcher, to_send)
-    if unsent:
-        results = [
-            (spec, replace(outcome, note=unsent.get(outcome.job_id or 0, outcome.note)))
-            for spec, outcome in results
-        ]
+    _send_new_jobs(session, dispatcher, to_send)
     return MatrixSubmission(submission_id, results)
 
 
 def _send_new_jobs(
     session: Session, dispatcher: Dispatcher, jobs: Sequence[tuple[int, str]]
-) -> dict[int, str]:
-    """Send each new (committed) job; the note of each the broker did not take. Once the
-    broker has refused one, the rest are not tried (each try waits for Celery's retries):
-    their rows are recorded unsent, and the reconciler sends them when the broker is back."""
-    unsent: dict[int, str] = {}
-    down: BrokerUnavailable | None = None
+) -> None:
+    """Send each new (committed) job. A broker that does not take one leaves it and the rest
+    recorded, unsent (`jobs.sent_at` null: their note says so, `routing.note_for`), for the
+    reconciler to send when the broker is back; the rest are not tried, as each try waits
+    for Celery's retries."""
     for job_id, queue in jobs:
-        if down is None:
-            try:
-                dispatch(session, dispatcher, job_id, queue)
-                continue
-            except BrokerUnavailable as error:
-                log.warning("%s", error)
-                down = error
-        unsent[job_id] = unsent_note(job_id)
-    return unsent
-
-
-def unsent_note(job_id: int) -> str:
-    """What a submitter is told of a job recorded while the broker was down."""
-    return (
-        f"job {job_id} is recorded, but the broker (FARM_BROKER_URL) is unreachable: the job "
-        "will be sent when the broker is back (the reconciler resends it: a worker started "
-        "with --beat, or `farm reconcile`)"
-    )
+        try:
+            dispatch(session, dispatcher, job_id, queue)
+        except BrokerUnavailable as error:
+            log.warning("%s; jobs %s stay unsent", error, [job for job, _ in jobs])
+            return
 
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:

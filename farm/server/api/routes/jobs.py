@@ -76,9 +76,7 @@ def submit(
                     cache_key=outcome.cache_key,
                     target=spec.target.name,
                     outcome=outcome.outcome,
-                    job=_job_out(
-                        farm, session, service.get_job(session, outcome.job_id), outcome.note
-                    )
+                    job=_job_out(farm, session, service.get_job(session, outcome.job_id))
                     if outcome.job_id
                     else None,
                     reason=outcome.reason,
@@ -175,5 +173,5 @@ def _job_id(job_id: int) -> int:
     return job_id
 
 
-def _job_out(farm: FarmContext, session: Session, job: Job, note: str | None = None) -> JobOut:
-    return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds, note))
+def _job_out(farm: FarmContext, session: Session, job: Job) -> JobOut:
+    return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds))
