@@ -346,10 +346,19 @@ class ApiError(FarmError):
     by the server's routes (which set the status) and by the client (which read it)."""
 
     def __init__(
-        self, status: int, code: str, message: str, details: dict[str, Any] | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+        *,
+        kind: Kind | None = None,
     ) -> None:
         super().__init__(message, details=details)
         self.status, self.code = status, code
+        if kind is not None:  # the client's own reading of an answer (not the farm API's)
+            self.kind = kind
+            return
         by_status = _KIND_OF_STATUS.get(
             status, Kind.BAD_INPUT if 400 <= status < 500 else Kind.INFRASTRUCTURE
         )

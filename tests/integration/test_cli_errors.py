@@ -3,7 +3,14 @@ services: a broker that is really down, a URL that answers with something that i
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
@@ -99,3 +106,55 @@ def test_a_verifications_bound_past_the_id_column_is_a_422(api):
             headers=headers,
         )
         assert response.status_code == status, (before, response.text)
+
+
+class _AsksForAToken(http.server.BaseHTTPRequestHandler):
+    """Another service's API: every request answered 401 with its own JSON."""
+
+    def do_GET(self) -> None:
+        body = b'{"detail": "Not authenticated"}'
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture(params=["files", "token"])
+def not_farm_url(request, tmp_path) -> Iterator[str]:
+    """A URL answered by something that is not farm: a plain `http.server` serving a folder
+    (404 pages in HTML), or another JSON API that asks for a token of its own (401)."""
+    handler = (
+        functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+        if request.param == "files"
+        else _AsksForAToken
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    "args", [["status", "1"], ["jobs"], ["workers"], ["pull", "deadbeef" * 8], ["doctor"]]
+)
+def test_an_api_url_that_is_not_farm_says_so_instead_of_a_token_error(not_farm_url, args):
+    env = {**os.environ, "FARM_API_URL": not_farm_url, "FARM_TOKEN": "farm_x"}
+    env = {
+        k: v
+        for k, v in env.items()
+        if not k.startswith("FARM_") or k in ("FARM_API_URL", "FARM_TOKEN")
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "farm", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 5, result.stderr + result.stdout
+    text = result.stderr + result.stdout
+    assert "that is not the farm API's answer: FARM_API_URL names something else" in text
+    assert "token" not in text.lower() or args == ["doctor"], text
+    assert "Traceback" not in text and "<html" not in text.lower()

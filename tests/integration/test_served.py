@@ -15,7 +15,7 @@ from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Target
 from farm.server.db.models import Blob, Job
 from farm.server.jobs import service
-from farm.toolchain import host_toolchain, openvino_release
+from farm.toolchain import host_toolchain
 from tests import models
 from tests.integration.served import host_queue, submit_ref, wait_until
 from tests.integration.served import send as send_job

@@ -218,3 +218,19 @@ def test_every_kind_has_an_exit_code_the_readme_documents_and_an_http_status():
     table = readme.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
     documented = {int(line.split("|")[1]) for line in table.splitlines()[2:]}
     assert documented == {0, 1, *EXIT_CODES.values()}
+
+
+def test_install_npu_compiler_names_a_path_that_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-compiler"
+    result = farm_cli(tmp_path, "toolchain", "install-npu-compiler", str(missing))
+    assert result.exit_code == 2
+    assert f"Path '{missing}' does not exist" in one_error(result)
+
+
+def test_doctor_says_where_an_npu_compiler_comes_from_once(tmp_path):
+    from farm import toolchain
+
+    result = farm_cli(tmp_path, "doctor")
+    said = result.stdout.count("is not in the Linux openvino wheel")
+    missing = not (toolchain.openvino_libs() / toolchain.NPU_COMPILER_LIBRARY).exists()
+    assert said == 1 if missing else said <= 1, result.stdout
