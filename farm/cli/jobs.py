@@ -153,7 +153,7 @@ def submit(
     for spec in specs:
         prepare.check_model(ref.files, spec)
     if toolchain_file is not None:
-        wanted = Toolchain.from_json(_json_of(toolchain_file))
+        wanted = Toolchain.from_json(_json_of(toolchain_file), (s.target for s in specs))
     else:
         cpu = next((s.target for s in specs if not s.target.is_npu), None)
         wanted = toolchain.host_toolchain(cpu or specs[0].target)

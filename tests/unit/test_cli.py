@@ -234,3 +234,16 @@ def test_doctor_says_where_an_npu_compiler_comes_from_once(tmp_path):
     said = result.stdout.count("is not in the Linux openvino wheel")
     missing = not (toolchain.openvino_libs() / toolchain.NPU_COMPILER_LIBRARY).exists()
     assert said == 1 if missing else said <= 1, result.stdout
+
+
+def test_submit_refuses_a_cpu_toolchain_file_for_an_npu_target(tmp_path):
+    from tests import models
+
+    xml = models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(
+        json.dumps({"target": "CPU", "openvino": "2026.4.1", "runtime_requirements": "r"})
+    )
+    result = farm_cli(tmp_path, "submit", str(xml), "-d", "4000", "--toolchain", str(cpu))
+    assert result.exit_code == 2
+    assert "the toolchain file describes CPU, not NPU.4000" in one_error(result)
