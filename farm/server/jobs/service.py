@@ -238,7 +238,9 @@ def _send_new_jobs(
         try:
             dispatch(session, dispatcher, job_id, queue)
         except BrokerUnavailable as error:
-            log.warning("%s; jobs %s stay unsent", error, [job for job, _ in jobs])
+            # Info, not a warning: the submitter is told in the job's note, and a warning would
+            # reach a CLI's stderr (Python's last-resort handler) beside it.
+            log.info("%s; jobs %s stay unsent", error, [job for job, _ in jobs])
             return
 
 
