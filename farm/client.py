@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from farm.core.errors import ApiError, IntegrityMismatch
+from farm.core.errors import ApiError, IntegrityMismatch, Kind
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
@@ -62,7 +62,7 @@ class FarmClient:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+        return _body(self._request(method, path, **kwargs))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """The API's answer; ApiError when it refused, or could not be reached."""
@@ -90,14 +90,10 @@ class FarmClient:
             ) from error
         if response.status_code not in (200, 503):
             _raise_for_error(response)
-        try:
-            return response.status_code, response.json()
-        except ValueError:
-            raise ApiError(
-                response.status_code,
-                "http_error",
-                f"{self.http.base_url}/readyz answered something that is not the farm API's JSON",
-            ) from None
+        body = _body(response)
+        if not isinstance(body, dict) or not isinstance(body.get("checks"), dict):
+            raise _not_farm(response)
+        return response.status_code, body
 
     def cache_keys(self, prefix: str) -> list[str]:
         """The cache keys (of blobs and jobs) that start with `prefix`, a few at most."""
@@ -147,7 +143,7 @@ class FarmClient:
             busy = (response.status_code, _error_code(response)) in UPLOADS_BUSY
             if not busy or attempt == UPLOAD_ATTEMPTS:
                 _raise_for_error(response)
-                return response.json()
+                return _body(response)
             if progress and sent:
                 progress(-sent)
             time.sleep(_retry_after(response))
@@ -252,7 +248,7 @@ class FarmClient:
             size = PAGE if limit is None else min(PAGE, limit - len(rows))
             query = {**params, "limit": size, **({"cursor": cursor} if cursor else {})}
             response = self._request("GET", path, params=query)
-            rows += response.json()
+            rows += _body(response)
             cursor = response.headers.get("X-Next-Cursor")
             if not cursor:
                 break
@@ -365,23 +361,45 @@ def _retry_after(response: httpx.Response) -> float:
 
 
 def _raise_for_error(response: httpx.Response) -> None:
+    """ApiError for an error answer of the farm API (`{"code", "message"}`); one that is not
+    the farm API's says so, rather than pass for the farm's refusal (a token refused)."""
     if response.status_code < 400:
         return
     response.read()
     try:
         body = response.json()
-        raise ApiError(
-            response.status_code,
-            body.get("code", "http_error"),
-            body.get("message", response.text),
-            body.get("details"),
-        )
     except ValueError:
-        raise ApiError(
-            response.status_code,
-            "http_error",
-            f"HTTP {response.status_code}: {response.text[:200]}",
-        ) from None
+        body = None
+    if not (
+        isinstance(body, dict)
+        and isinstance(body.get("code"), str)
+        and isinstance(body.get("message"), str)
+    ):
+        raise _not_farm(response)
+    raise ApiError(response.status_code, body["code"], body["message"], body.get("details"))
+
+
+def _body(response: httpx.Response) -> Any:
+    """The JSON of a farm API answer; an answer that is not JSON is not the farm API's."""
+    try:
+        return response.json()
+    except ValueError:
+        raise _not_farm(response) from None
+
+
+def _not_farm(response: httpx.Response) -> ApiError:
+    """The error of an answer that is not the farm API's (another service at FARM_API_URL, a
+    web page, a proxy's error page): an infrastructure error, whatever its HTTP status."""
+    url = response.request.url.copy_with(query=None, fragment=None)
+    content = response.headers.get("content-type", "no content type").split(";")[0]
+    return ApiError(
+        response.status_code,
+        "not_farm_api",
+        f"{url} answered HTTP {response.status_code} ({content}) that is not the farm API's "
+        "answer: FARM_API_URL names something else than a farm API (`farm api`), or a proxy "
+        "in front of it answered instead",
+        kind=Kind.INFRASTRUCTURE,
+    )
 
 
 def _save(

@@ -118,20 +118,24 @@ def apply_shapes(model: ov.Model, spec: CompileSpec) -> None:
 
 def check_static(model: ov.Model, target: Target) -> None:
     """NPU compiles static shapes only: name every dynamic input dimension and the fix."""
-    dynamic = []
+    dynamic, examples = [], []
     for port in model.inputs:
-        shape = port.get_partial_shape()
+        shape, name = port.get_partial_shape(), port.get_any_name()
         if shape.rank.is_dynamic:
-            dynamic.append(f"{port.get_any_name()} (rank unknown)")
+            dynamic.append(f"{name} (rank unknown)")
+            examples.append(f"{name}[1,...]")
             continue
         axes = [str(i) for i, dim in enumerate(shape) if dim.is_dynamic]
         if axes:
-            dynamic.append(f"{port.get_any_name()}{shape} (dimension {', '.join(axes)})")
+            dynamic.append(f"{name}{shape} (dimension {', '.join(axes)})")
+            dims = (str(dim.get_length()) if dim.is_static else "1" for dim in shape)
+            examples.append(f"{name}[{','.join(dims)}]")
     if dynamic:
-        example = model.inputs[0].get_any_name()
+        # The example is a dynamic input's, its static dimensions kept (not the first input's,
+        # which may be static): a partly dynamic model's hint names the input to fix.
         raise ModelError(
             f"{target} needs static shapes, but these inputs are dynamic: {'; '.join(dynamic)}. "
-            f"Give the shapes with --shape NAME[d1,d2,...], for example --shape {example}[1,...]"
+            f"Give the shapes with --shape NAME[d1,d2,...], for example --shape {examples[0]}"
         )
 
 

@@ -216,13 +216,19 @@ def openvino_checks() -> list[Check]:
         Check("openvino", True, ov.get_version()),
         Check("devices", True, ", ".join(ov.Core().available_devices) or "none"),
     ]
+    sources = COMPILER_SOURCES.format(libs=libs)
+    said = False  # where an NPU compiler comes from: said once, not once per platform
     for library in ("libopenvino_intel_npu_plugin.so", NPU_COMPILER_LIBRARY):
         found = (libs / library).exists()
         missing = "missing"
-        if library == NPU_COMPILER_LIBRARY:
-            missing = f"missing: {COMPILER_SOURCES.format(libs=libs)}"
+        if library == NPU_COMPILER_LIBRARY and not found:
+            missing, said = f"missing: {sources}", True
         checks.append(Check(library, found, str(libs / library) if found else missing))
     for target, reason in probe_targets().items():
+        if reason and sources in reason:
+            if said:
+                reason = reason.replace(f"; {sources}", "; where to get it is said above")
+            said = True
         checks.append(Check(f"compile {target}", reason is None, reason or "compiles here"))
     return checks
 

@@ -39,6 +39,8 @@ def make_app(settings: Settings) -> Celery:
         task_default_queue=CONTROL_QUEUE,
         task_create_missing_queues=True,
         worker_hijack_root_logger=False,
+        # The embedded beat's record of its last runs: the farm's own folder, not the cwd.
+        beat_schedule_filename=str(settings.home.resolve() / "celerybeat-schedule"),
         beat_schedule={
             "reconcile": {
                 "task": RECONCILE_TASK,

@@ -115,6 +115,7 @@ def run_worker(
         "--without-mingle",
     ]
     if beat:
+        settings.home.mkdir(parents=True, exist_ok=True)  # the beat's schedule file is there
         argv.append("--beat")
         _beat_dies_with(os.getpid())
     app.worker_main(argv)

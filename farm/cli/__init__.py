@@ -25,7 +25,16 @@ class FarmGroup(click.Group):
         argv = list(sys.argv[1:] if args is None else args)
         own = argv[: argv.index("--")] if "--" in argv else argv
         common.json_errors = "--json" in own
+        common.notes.clear()
         return super().main(argv, *rest, **options)
+
+    def make_context(self, *args: Any, **options: Any) -> click.Context:
+        from farm.cli import common
+
+        try:
+            return super().make_context(*args, **options)
+        except click.UsageError as error:  # the group's own options: `farm --bogus`
+            raise common.usage_error(error) from error
 
     def invoke(self, ctx: click.Context) -> Any:
         from farm.cli import common
@@ -37,9 +46,7 @@ class FarmGroup(click.Group):
         except FarmError as error:
             raise common.cli_error(error) from error
         except click.UsageError as error:
-            if not common.json_errors:
-                raise
-            raise common.FarmCliError(error.format_message(), error.exit_code, "usage") from error
+            raise common.usage_error(error) from error
         except ModuleNotFoundError as error:
             name = ctx.invoked_subcommand or "this command"
             missing = common.not_installed(error, f"`farm {name}`")

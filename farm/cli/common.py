@@ -67,6 +67,18 @@ err = UnwrappedWhenPiped(stderr=True, highlight=False)
 json_errors = False
 """Set by the `farm` group when its command line has `--json`: errors are then JSON too."""
 
+notes: list[str] = []
+"""What the command told the user along the way (`note`); with `--json`, held for the error."""
+
+
+def note(text: str) -> None:
+    """Tell the user something on stderr along the way (a queued job's note). With `--json`,
+    stderr holds only the error object, if any: the note is held and goes inside it."""
+    if json_errors:
+        notes.append(text)
+    else:
+        say(text, err)
+
 
 class FarmCliError(click.ClickException):
     """One line on stderr and an exit code from the table above; with `--json`, one JSON object
@@ -80,7 +92,9 @@ class FarmCliError(click.ClickException):
     def show(self, file: Any = None) -> None:
         message = redact(self.message, _secrets())
         if json_errors:
-            error = {"code": self.code, "message": message, "exit": self.exit_code}
+            error: dict[str, Any] = {"code": self.code, "message": message, "exit": self.exit_code}
+            if notes:
+                error["notes"] = [redact(text, _secrets()) for text in notes]
             click.echo(json.dumps(error), err=True)
         else:
             click.echo(f"farm: error: {printable(message)}", err=True)
@@ -128,6 +142,16 @@ def handle_errors(command: Callable) -> Callable:
 
 def cli_error(error: FarmError) -> FarmCliError:
     return FarmCliError(str(error), EXIT_CODES[error.kind], error.code)
+
+
+def usage_error(error: click.UsageError) -> click.ClickException:
+    """A usage error as one line like any other error (click's usage text is for --help);
+    bare `farm` (click's "no arguments: show the help") stays the help."""
+    if isinstance(error, click.exceptions.NoArgsIsHelpError):
+        return error
+    command = error.ctx.command_path if error.ctx else "farm"
+    message = f"{error.format_message().rstrip('.')} (`{command} --help` shows the usage)"
+    return FarmCliError(message, error.exit_code, "usage")
 
 
 EXTRA_OF_MODULE = {

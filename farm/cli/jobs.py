@@ -31,6 +31,7 @@ from farm.cli.common import (
     err,
     handle_errors,
     json_option,
+    note,
     out,
     print_blob,
     print_job,
@@ -47,7 +48,7 @@ from farm.core.errors import CompilerUnavailable, NotFound, WaitTimeout
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import printable, toolchains_text
-from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
+from farm.core.vocabulary import EMBEDDED_QUEUE, FINAL_STATES, JOB_STATES, JobState
 
 WAIT_POLL_SECONDS = 0.5
 
@@ -152,7 +153,7 @@ def submit(
     for spec in specs:
         prepare.check_model(ref.files, spec)
     if toolchain_file is not None:
-        wanted = Toolchain.from_json(_json_of(toolchain_file))
+        wanted = Toolchain.from_json(_json_of(toolchain_file), (s.target for s in specs))
     else:
         cpu = next((s.target for s in specs if not s.target.is_npu), None)
         wanted = toolchain.host_toolchain(cpu or specs[0].target)
@@ -207,30 +208,47 @@ class _SubmitProgress:
 
 
 def _wait(farm: Backend, job_id: int, quiet: bool, timeout: float = 0) -> dict[str, Any]:
-    """Poll a job until it reaches a final state. A job no live worker can take says so once
-    (on stderr); one still queued after `timeout` seconds (0: never) is given up on with
-    WaitTimeout: the job itself goes on."""
+    """Poll a job until it reaches a final state. A job no live worker can take is given up on
+    at once (WaitTimeout, with the job's note): waiting would last until the timeout for
+    nothing. One still queued after `timeout` seconds (0: never) is given up on too; either
+    way the job itself goes on. A note of the job (a broker that did not take it) is said
+    once."""
     status = contextlib.nullcontext() if quiet else err.status(f"waiting for job {job_id}")
-    started, noted = time.monotonic(), False
+    started, noted, checked = time.monotonic(), False, False
     with status as shown:
         while True:
             job = farm.job(job_id)
             if job["state"] in FINAL_STATES:
                 return job
-            if job.get("note") and not noted:
-                say(f"job {job_id}: {job['note']}", err)
-                noted = True
             queued = job["state"] == JobState.QUEUED
+            if queued and not checked and not _has_taker(farm, job):
+                why = job.get("note") or f"no live worker takes its queue {job['queue']}"
+                raise WaitTimeout(f"not waiting for job {job_id}: {why}; {_stays_queued(job_id)}")
+            checked = checked or queued
+            if job.get("note") and not noted:
+                note(f"job {job_id}: {job['note']}")
+                noted = True
             if timeout and queued and time.monotonic() - started > timeout:
                 raise WaitTimeout(
                     f"gave up waiting for job {job_id}: still queued after {timeout:.0f} s "
-                    f"(--wait-timeout){'; ' + job['note'] if job.get('note') else ''}; the job "
-                    f"stays queued: follow it with `farm status {job_id}`, or `farm cancel "
-                    f"{job_id}`"
+                    f"(--wait-timeout){'; ' + job['note'] if job.get('note') else ''}; "
+                    f"{_stays_queued(job_id)}"
                 )
             if shown:
                 shown.update(Text(printable(f"job {job_id}: {job['state']}")))
             time.sleep(WAIT_POLL_SECONDS)
+
+
+def _has_taker(farm: Backend, job: dict[str, Any]) -> bool:
+    """Whether a live worker consumes the queued job's queue (an embedded farm's job is run by
+    the farm itself)."""
+    if job["queue"] == EMBEDDED_QUEUE:
+        return True
+    return any(worker["live"] and job["queue"] in worker["queues"] for worker in farm.workers())
+
+
+def _stays_queued(job_id: int) -> str:
+    return f"the job stays queued: follow it with `farm status {job_id}`, or `farm cancel {job_id}`"
 
 
 def _json_of(stream: Any) -> Any:

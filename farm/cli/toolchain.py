@@ -56,7 +56,7 @@ def toolchain(ctx: click.Context, devices: tuple[str, ...], as_json: bool) -> No
 
 
 @toolchain.command("install-npu-compiler")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option(
     "--into",
     type=click.Path(file_okay=False, path_type=Path),

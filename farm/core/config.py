@@ -11,6 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from farm.core.text import strip_userinfo, url_password
 
+LIBPQ_SCHEMES = ("postgresql", "postgres")
+"""The schemes of a libpq connection URL, which `psql` takes as FARM_DATABASE_URL does."""
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FARM_", extra="ignore")
@@ -182,7 +185,13 @@ class Settings(BaseSettings):
 
     @cached_property
     def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.home.resolve() / 'farm.db'}"
+        """The SQLAlchemy URL. A libpq URL (``postgresql://``, what `psql` takes) runs on
+        psycopg, the PostgreSQL driver farm installs; SQLAlchemy alone would pick psycopg2."""
+        url = self.database_url or f"sqlite:///{self.home.resolve() / 'farm.db'}"
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme in LIBPQ_SCHEMES:
+            return f"postgresql+psycopg://{rest}"
+        return url
 
     @cached_property
     def resolved_storage_url(self) -> str:

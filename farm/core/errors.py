@@ -265,6 +265,13 @@ class DatabaseUnavailable(ServiceUnavailable):
     code = "database_unavailable"
 
 
+class BrokerUnavailable(ServiceUnavailable):
+    """The broker did not take a job's message (down, restarting, wrong URL). The job is
+    recorded all the same: the reconciler sends it when the broker is back."""
+
+    code = "broker_unavailable"
+
+
 class WorkDiskFull(FarmError):
     """The worker's temporary directory has no room for a compile's files. An infrastructure
     error: the job is retried (perhaps by a worker with more room), then fails with this."""
@@ -404,10 +411,19 @@ class ApiError(FarmError):
     by the server's routes (which set the status) and by the client (which read it)."""
 
     def __init__(
-        self, status: int, code: str, message: str, details: dict[str, Any] | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+        *,
+        kind: Kind | None = None,
     ) -> None:
         super().__init__(message, details=details)
         self.status, self.code = status, code
+        if kind is not None:  # the client's own reading of an answer (not the farm API's)
+            self.kind = kind
+            return
         by_status = _KIND_OF_STATUS.get(
             status, Kind.BAD_INPUT if 400 <= status < 500 else Kind.INFRASTRUCTURE
         )

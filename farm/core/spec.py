@@ -175,12 +175,23 @@ class Toolchain:
         return part
 
     @classmethod
-    def from_json(cls, data: Any) -> Toolchain:
+    def from_json(cls, data: Any, for_targets: Iterable[Target] = ()) -> Toolchain:
         """The toolchain `farm toolchain --json` printed: one object, or a list of them (one
-        per target; the CPU entry carries the runtime requirements)."""
+        per target; the CPU entry carries the runtime requirements). `for_targets`: the
+        targets it is to compile for; a file whose entries name their targets must have one of
+        each kind (NPU, CPU): an edge's CPU toolchain says nothing of what its NPU imports."""
         entries = data if isinstance(data, list) else [data]
         if not entries or not all(isinstance(e, dict) and e.get("openvino") for e in entries):
             raise SpecError("a toolchain file holds what `farm toolchain --json` prints")
+        if all(isinstance(e.get("target"), str) for e in entries):
+            described = {Target.parse(e["target"]).is_npu for e in entries}
+            for target in for_targets:
+                if target.is_npu not in described:
+                    raise SpecError(
+                        f"the toolchain file describes {', '.join(e['target'] for e in entries)}, "
+                        f"not {target}: write it with `farm toolchain --device {target.name} "
+                        "--json` on the edge that imports the blob"
+                    )
         releases = {str(e["openvino"]) for e in entries}
         if len(releases) != 1:
             raise SpecError(f"a toolchain file names one OpenVINO release, not {sorted(releases)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import select
@@ -109,24 +110,54 @@ def is_served(session: Session, queue: str, heartbeat_seconds: int) -> bool:
     return queue in served_queues(session, heartbeat_seconds)
 
 
-def waiting_note(session: Session, job, heartbeat_seconds: int) -> str | None:
-    """A queued job nobody can take says so, instead of waiting silently."""
-    if job is None or job.state != JobState.QUEUED or job.queue == EMBEDDED_QUEUE:
-        return None
-    return note_for(job, served_queues(session, heartbeat_seconds))
+@dataclass(frozen=True)
+class _Served:
+    """What the live workers serve, read once for a page of jobs."""
+
+    queues: set[str]
+    npu_compiler: bool
+    """Some live worker compiles for an NPU (has an NPU compiler)."""
+
+    @classmethod
+    def of(cls, workers: list[Worker]) -> _Served:
+        queues = {queue for w in workers for queue in w.queues}
+        npu = any(Target.parse(name).is_npu for w in workers for name in (w.toolchains or {}))
+        return cls(queues, npu)
 
 
 def waiting_notes(session: Session, jobs, heartbeat_seconds: int) -> dict[int, str | None]:
-    """`waiting_note` of each job of a page, with the workers read once (not once per job)."""
+    """The note of each job of a page (None: nothing to say), with the workers read once (not
+    once per job): a queued job that no live worker can take says so."""
     waiting = {j.id for j in jobs if j.state == JobState.QUEUED and j.queue != EMBEDDED_QUEUE}
-    served = served_queues(session, heartbeat_seconds) if waiting else set()
+    served = _Served.of(live_workers(session, heartbeat_seconds) if waiting else [])
     return {job.id: note_for(job, served) if job.id in waiting else None for job in jobs}
 
 
-def note_for(job, served: set[str]) -> str | None:
-    """The note of a queued job given the queues live workers serve."""
-    if job.queue in served:
+def note_for(job, served: _Served) -> str | None:
+    """The note of a queued job given what the live workers serve: one the broker did not take
+    (yet), one that no live worker can take, or both."""
+    notes = [unsent_note(job.id) if job.sent_at is None else None, _no_taker_note(job, served)]
+    return "; ".join(filter(None, notes)) or None
+
+
+def unsent_note(job_id: int) -> str:
+    """What a queued job not sent yet says: at submit, that the broker did not take it."""
+    return (
+        f"job {job_id} is recorded, but the broker (FARM_BROKER_URL) has not taken it: it will "
+        "be sent when the broker is back (the reconciler sends it: a worker started with "
+        "--beat, or `farm reconcile`)"
+    )
+
+
+def _no_taker_note(job, served: _Served) -> str | None:
+    if job.queue in served.queues:
         return None
+    if Target.parse(job.target).is_npu and not served.npu_compiler:
+        return (
+            f"no live worker has an NPU compiler, so none can compile for {job.target} (queue "
+            f"{job.queue}): install one on a worker (farm toolchain install-npu-compiler); the "
+            "job waits until such a worker starts (farm workers)"
+        )
     return (
         f"no live worker has the toolchain {json.dumps(job.toolchain, sort_keys=True)} for "
         f"{job.target} (queue {job.queue}); the job waits until one starts (farm workers)"

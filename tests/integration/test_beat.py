@@ -50,6 +50,10 @@ def test_the_embedded_beat_dies_with_its_worker(served, tmp_path):
     wait_until(lambda: "farm beat" in comms(), 30, "the beat's process name")
     names = comms()
     assert names.count("farm beat") == 1  # the beat (the other: the pool process)
+    # Its schedule file is under FARM_HOME, not in the folder the worker was started from.
+    home = Path(served.env["FARM_HOME"])
+    wait_until(lambda: list(home.glob("celerybeat-schedule*")), 30, "the schedule file")
+    assert list(folder.iterdir()) == []
 
     served.workers.pop("beat")
     os.kill(worker.pid, signal.SIGKILL)  # the worker's main process only

@@ -95,7 +95,7 @@ def free_port() -> int:
 
 
 def test_the_readme_marks_its_quickstart_blocks():
-    assert list(readme_blocks()) == ["embedded", "served", "submit", "edge"]
+    assert list(readme_blocks()) == ["embedded", "served", "submit", "edge", "admin-sql"]
 
 
 @pytest.mark.slow
@@ -121,23 +121,24 @@ def test_the_served_quickstart_and_its_edge_run_as_written(
         "FARM_API_PORT": str(free_port()),
         "FARM_AGENT_ID": "readme-edge",
     }
-    # `farm worker --beat` keeps Celery beat's schedule in its working directory (reported).
     schedules_before = set(ROOT.glob("celerybeat-schedule*"))
     edge = ROOT / ".venv-edge"
     linked = not edge.exists()
     if linked:
         edge.symlink_to(edge_venv)
     try:
-        out = run_blocks(["served", "submit", "edge"], env, timeout=600)
+        out = run_blocks(["served", "submit", "edge", "admin-sql"], env, timeout=600)
     finally:
         if linked:
             edge.unlink()
         _drop(database)
-        for left in set(ROOT.glob("celerybeat-schedule*")) - schedules_before:
-            left.unlink()
     assert "succeeded" in out  # the worker compiled it
     assert "imported served.blob on CPU" in out, out[-2000:]  # the edge imported and ran it
     assert "{'Result_13': [1, 10]}" in out
+    # psql takes the URL the quickstart set (a libpq URL) and counts the blob the worker made.
+    assert re.search(r"^ CPU +\| +1$", out, re.M), out[-2000:]
+    # `farm worker --beat` keeps Celery beat's schedule under FARM_HOME, not in the checkout.
+    assert set(ROOT.glob("celerybeat-schedule*")) == schedules_before
 
 
 def _drop(database: str) -> None:

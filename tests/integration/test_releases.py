@@ -169,7 +169,8 @@ def test_a_release_no_worker_has_waits_says_so_and_gives_up_without_failing(serv
         timeout=120,
     )
     assert done.returncode == 7, done.stderr  # README: gave up waiting; the job goes on
-    assert done.stderr.count('no live worker has the toolchain {"openvino": "2024.6.0"') == 2
-    assert "still queued after 3 s (--wait-timeout)" in done.stderr
+    # No live worker could take it: given up at once, not after the timeout.
+    assert done.stderr.count('no live worker has the toolchain {"openvino": "2024.6.0"') == 1
+    assert done.stderr.startswith("farm: error: not waiting for job ")
     (job,) = _farm(sys.executable, {**edge}, "jobs")
     assert job["state"] == "queued" and job["toolchain"]["openvino"] == "2024.6.0"

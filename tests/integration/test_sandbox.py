@@ -12,6 +12,7 @@ from farm.core.spec import CompileSpec
 from farm.server.db.models import Blob, Worker
 from farm.server.jobs.sandbox import CompileTimeout, compile_in_child
 from tests import models
+from tests.integration.served import wait_until
 
 MEMORY_LIMIT = 700 * 2**20
 """Enough for a small model's compile (about 0.5 GB of address space with OpenVINO loaded),
@@ -34,6 +35,8 @@ def test_a_compile_over_its_memory_limit_fails_its_job_and_the_worker_carries_on
     env = {"FARM_COMPILE_MEMORY_BYTES": str(MEMORY_LIMIT)}
     worker = served.start_worker("w1", env=env, wait=False)  # starts while the CLI uploads
     big = served.farm_json("submit", str(big_files["xml"]), "-d", "CPU")
+    # --wait gives up at once on a job no live worker takes: the worker has registered first.
+    wait_until(lambda: served._registered("w1", worker), 90, "worker w1 to register")
     good = served.farm_json("submit", str(small), "-d", "CPU", "--wait")
 
     failed = served.wait_job(big["job"]["id"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from datetime import timedelta
@@ -14,7 +15,7 @@ from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Target
 from farm.server.db.models import Blob, Job
 from farm.server.jobs import service
-from farm.toolchain import host_toolchain, openvino_release
+from farm.toolchain import host_toolchain
 from tests import models
 from tests.integration.served import host_queue, submit_ref, wait_until
 from tests.integration.served import send as send_job
@@ -231,11 +232,21 @@ def test_a_target_nobody_serves_says_so(served, conv_xml):
     assert result["job"]["state"] == "queued"
     assert result["job"]["queue"] == host_queue("4000")
     assert result["note"] == (
-        f'no live worker has the toolchain {{"openvino": "{openvino_release()}"}} for NPU.4000 '
-        f"(queue {host_queue('4000')}); the job waits until one starts (farm workers)"
+        f"no live worker has an NPU compiler, so none can compile for NPU.4000 (queue "
+        f"{host_queue('4000')}): install one on a worker (farm toolchain install-npu-compiler); "
+        "the job waits until such a worker starts (farm workers)"
     )
     status = served.farm_json("status", str(result["job"]["id"]))
     assert status["note"] == result["note"]
+    # --wait gives up at once (exit 7), not after --wait-timeout: no live worker could take it.
+    waited = served.farm(
+        "submit", str(conv_xml), "-d", "4000", "--tiles", "2", "--wait", "--json", check=False
+    )
+    assert waited.returncode == 7, waited.stderr
+    (error,) = [json.loads(line) for line in waited.stderr.splitlines()]
+    assert error["code"] == "wait_timeout"
+    assert error["message"].startswith(f"not waiting for job {result['job']['id']}: ")
+    assert "no live worker has an NPU compiler" in error["message"]
 
 
 def test_broken_configuration_stops_worker_and_doctor_with_one_line(served):

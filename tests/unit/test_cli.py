@@ -29,7 +29,7 @@ def farm_cli(home: Path, *args: str, **env: str | None) -> Result:
     """`farm ARGS` on the embedded farm in `home` (none of the developer's FARM_ settings)."""
     clean: dict[str, str | None] = {name: None for name in os.environ if name.startswith("FARM_")}
     return CliRunner(env={**clean, "FARM_HOME": str(home), **env}).invoke(
-        main, list(args), catch_exceptions=False
+        main, list(args), catch_exceptions=False, prog_name="farm"
     )
 
 
@@ -129,6 +129,24 @@ def test_without_json_an_error_is_one_line(farm):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["submit", "model.xml"], "Missing option '--device' / '-d' (`farm submit --help`"),
+        (["jobs", "--state", "lost"], "Invalid value for '--state'"),
+        (["nosuch"], "No such command 'nosuch' (`farm --help`"),
+        (["--bogus"], "No such option '--bogus' (`farm --help`"),
+        (["blobs", "quarantine"], "Missing argument 'CACHE_KEY' (`farm blobs quarantine --help`"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_the_usage_stays_under_help(tmp_path, args, says):
+    result = farm_cli(tmp_path, *args)
+    assert result.exit_code == 2
+    assert says in one_error(result)
+    assert "Usage:" not in result.output
+    assert farm_cli(tmp_path, "submit", "--help").stdout.startswith("Usage: farm submit ")
+
+
 # --- commands that need the database, with only the API configured ----------------------------
 
 API_ONLY = {"FARM_API_URL": "http://127.0.0.1:9/", "FARM_TOKEN": "farm_x"}
@@ -200,3 +218,32 @@ def test_every_kind_has_an_exit_code_the_readme_documents_and_an_http_status():
     table = readme.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
     documented = {int(line.split("|")[1]) for line in table.splitlines()[2:]}
     assert documented == {0, 1, *EXIT_CODES.values()}
+
+
+def test_install_npu_compiler_names_a_path_that_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-compiler"
+    result = farm_cli(tmp_path, "toolchain", "install-npu-compiler", str(missing))
+    assert result.exit_code == 2
+    assert f"Path '{missing}' does not exist" in one_error(result)
+
+
+def test_doctor_says_where_an_npu_compiler_comes_from_once(tmp_path):
+    from farm import toolchain
+
+    result = farm_cli(tmp_path, "doctor")
+    said = result.stdout.count("is not in the Linux openvino wheel")
+    missing = not (toolchain.openvino_libs() / toolchain.NPU_COMPILER_LIBRARY).exists()
+    assert said == 1 if missing else said <= 1, result.stdout
+
+
+def test_submit_refuses_a_cpu_toolchain_file_for_an_npu_target(tmp_path):
+    from tests import models
+
+    xml = models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(
+        json.dumps({"target": "CPU", "openvino": "2026.4.1", "runtime_requirements": "r"})
+    )
+    result = farm_cli(tmp_path, "submit", str(xml), "-d", "4000", "--toolchain", str(cpu))
+    assert result.exit_code == 2
+    assert "the toolchain file describes CPU, not NPU.4000" in one_error(result)

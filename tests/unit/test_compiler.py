@@ -210,7 +210,19 @@ def test_npu_rejects_a_dynamic_model_naming_each_dynamic_dimension(tmp_path):
     message = str(caught.value)
     assert "NPU.4000 needs static shapes" in message
     assert "image[?,3,?,?] (dimension 0, 2, 3)" in message
-    assert "--shape image[" in message
+    assert "for example --shape image[1,3,1,1]" in message
+
+
+def test_the_static_shape_hint_of_a_partly_dynamic_model_names_its_dynamic_input(tmp_path):
+    static = ov.opset13.parameter([1, 8], ov.Type.f32, name="a")
+    dynamic = ov.opset13.parameter(ov.PartialShape([1, -1]), ov.Type.f32, name="state")
+    model = ov.Model([ov.opset13.concat([static, dynamic], 1)], [static, dynamic], "partly")
+    files = ir(tmp_path, model)
+    with pytest.raises(errors.ModelError) as caught:
+        prepare.check_model(files, CompileSpec.create("NPU.4000"))
+    message = str(caught.value)
+    assert "these inputs are dynamic: state[1,?] (dimension 1)." in message
+    assert message.endswith("for example --shape state[1,1]")
 
 
 def test_npu_compile_without_the_compiler_names_the_missing_library(tmp_path):

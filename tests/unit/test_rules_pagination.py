@@ -132,7 +132,9 @@ def test_a_job_cursor_for_another_list_is_bad_input(served_farm):
         list_jobs(session, cursor=blob_cursor(T0, 3))
 
 
-def _register(farm, name: str, queues: list[str], heartbeat_at=None) -> None:
+def _register(
+    farm, name: str, queues: list[str], heartbeat_at=None, toolchains: dict | None = None
+) -> None:
     with farm.session() as session:
         routing.register_worker(
             session,
@@ -140,6 +142,7 @@ def _register(farm, name: str, queues: list[str], heartbeat_at=None) -> None:
             host="h",
             pid=1,
             targets={"CPU": None},
+            toolchains=toolchains or {"CPU": {"openvino": "2026.4.1"}},
             queues=queues,
             openvino_version="2026.4.1",
             memory_bytes=2**33,
@@ -179,8 +182,9 @@ def test_a_page_of_jobs_reads_names_and_notes_in_a_fixed_number_of_queries(serve
     model = add_model(served_farm, "resnet.xml")
     _register(served_farm, "live@host", ["compile.cpu"])
     _register(served_farm, "gone@host", ["compile.npu"], heartbeat_at=T0)
-    served = [add_job(served_farm, model, n) for n in range(15)]
-    waiting = [add_job(served_farm, model, 100 + n, queue="compile.npu") for n in range(15)]
+    sent = {"sent_at": T0}
+    served = [add_job(served_farm, model, n, **sent) for n in range(15)]
+    waiting = [add_job(served_farm, model, 100 + n, queue="compile.npu", **sent) for n in range(15)]
 
     def page(limit: int) -> tuple[list[dict], int]:
         statements: list[str] = []
@@ -205,3 +209,29 @@ def test_a_page_of_jobs_reads_names_and_notes_in_a_fixed_number_of_queries(serve
     assert {view["model_name"] for view in every} == {"resnet.xml"}
     assert [job for job in served if notes[job]] == []
     assert all("queue compile.npu" in notes[job] for job in waiting)
+
+
+def test_a_queued_job_says_what_keeps_it_waiting(served_farm):
+    """Not sent (the broker did not take it), no live worker with an NPU compiler, no live
+    worker with its toolchain: each in its own words, both when both hold."""
+    model = add_model(served_farm, "m.xml")
+    _register(served_farm, "cpu@host", ["compile.cpu"])
+    npu = {"target": "NPU.4000", "queue": "compile.npu.4000.x", "sent_at": T0}
+    unsent = add_job(served_farm, model, 1)
+    npu_job = add_job(served_farm, model, 2, **npu)
+    both = add_job(served_farm, model, 3, **{**npu, "sent_at": None})
+
+    def notes() -> dict[int, str | None]:
+        with served_farm.session() as session:
+            return {view["id"]: view["note"] for view in job_views(session, list_jobs(session), 60)}
+
+    first = notes()
+    assert first[unsent] == routing.unsent_note(unsent)
+    assert first[unsent].startswith(f"job {unsent} is recorded, but the broker")
+    assert "will be sent when the broker is back" in first[unsent]
+    assert first[npu_job].startswith("no live worker has an NPU compiler, so none can compile")
+    assert first[both] == f"{routing.unsent_note(both)}; {first[npu_job]}"
+
+    # A live worker with an NPU compiler, of another toolchain: the toolchain is what is missing.
+    _register(served_farm, "npu@host", ["compile.npu.4000.y"], toolchains={"NPU.4000": {}})
+    assert notes()[npu_job].startswith('no live worker has the toolchain {"openvino": ')

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from farm.core.spec import MAX_BATCH, MAX_DIM, MAX_ELEMENTS, CompileSpec, SpecError, Toolchain
+from farm.core.spec import (
+    MAX_BATCH,
+    MAX_DIM,
+    MAX_ELEMENTS,
+    CompileSpec,
+    SpecError,
+    Target,
+    Toolchain,
+)
 
 NPU = "4000"
 
@@ -223,6 +231,22 @@ def test_a_toolchain_file_names_one_release():
     assert str(raised.value) == (
         "a toolchain file names one OpenVINO release, not ['2025.4.0', '2026.4.1']"
     )
+
+
+def test_a_cpu_toolchain_file_is_refused_for_an_npu_target_and_the_other_way_round():
+    npu, cpu = Target.parse("NPU.4000"), Target.parse("CPU")
+    with pytest.raises(SpecError) as raised:
+        Toolchain.from_json(CPU_ENTRY, [cpu, npu])
+    assert str(raised.value) == (
+        "the toolchain file describes CPU, not NPU.4000: write it with "
+        "`farm toolchain --device NPU.4000 --json` on the edge that imports the blob"
+    )
+    with pytest.raises(SpecError, match=r"describes NPU\.4000, not CPU"):
+        Toolchain.from_json([NPU_ENTRY], [cpu])
+    # An NPU entry stands for every NPU platform (the key holds only the release); a file
+    # without targets (written by hand) is taken as it is.
+    assert Toolchain.from_json([NPU_ENTRY, CPU_ENTRY], [Target.parse("3720"), cpu]).openvino
+    assert Toolchain.from_json({"openvino": "2026.4.1"}, [npu]) == Toolchain("2026.4.1")
 
 
 def test_a_summary_is_the_target_and_the_flags_that_differ():

@@ -124,7 +124,9 @@ class JobOut(BaseModel):
     compile_seconds: float | None
     export_seconds: float | None
     peak_rss_bytes: int | None
-    note: str | None = Field(None, description="Why a queued job may wait (no live worker).")
+    note: str | None = Field(
+        None, description="Why a queued job may wait (the broker did not take it; no live worker)."
+    )
 
 
 class SubmissionResult(BaseModel):

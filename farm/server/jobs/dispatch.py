@@ -24,13 +24,15 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
+from farm.core.errors import BrokerUnavailable
 from farm.core.vocabulary import COMPILE_TASK
 from farm.server.db.models import Job
 
 
 class Dispatcher(Protocol):
     def send(self, job_id: int, queue: str) -> None:
-        """Deliver job `job_id` to `queue`'s workers; may block (inline) or return at once."""
+        """Deliver job `job_id` to `queue`'s workers; may block (inline) or return at once.
+        A broker that does not take the message raises `BrokerUnavailable`."""
         ...
 
     def close(self) -> None: ...
@@ -57,7 +59,15 @@ class CeleryDispatcher:
         self.app.conf.update(broker_connection_retry_on_startup=True)
 
     def send(self, job_id: int, queue: str) -> None:
-        self.app.send_task(COMPILE_TASK, args=[job_id], queue=queue)
+        from kombu.exceptions import OperationalError
+
+        try:
+            self.app.send_task(COMPILE_TASK, args=[job_id], queue=queue)
+        except OperationalError as error:
+            # Celery retried the publish (about a second); the job's row stays unsent.
+            raise BrokerUnavailable(
+                f"the broker (FARM_BROKER_URL) did not take job {job_id}: {error}"
+            ) from error
 
     def close(self) -> None:
         self.app.close()

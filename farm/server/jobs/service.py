@@ -23,6 +23,7 @@ from farm.core import hashing
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.errors import (
+    BrokerUnavailable,
     Forbidden,
     ModelMissing,
     NotFound,
@@ -224,8 +225,7 @@ def submit_matrix(
         except BaseException:
             session.rollback()
             raise
-    for job_id, queue in to_send:
-        dispatch(session, dispatcher, job_id, queue)
+    _send_new_jobs(session, dispatcher, to_send)
     return MatrixSubmission(submission_id, results)
 
 
@@ -421,6 +421,23 @@ def record_upload(session: Session, submitter: str, sha256: str, size_bytes: int
         ModelUpload(sha256=sha256, submitter=submitter, size_bytes=size_bytes, created_at=now())
     )
     session.commit()
+
+
+def _send_new_jobs(
+    session: Session, dispatcher: Dispatcher, jobs: Sequence[tuple[int, str]]
+) -> None:
+    """Send each new (committed) job. A broker that does not take one leaves it and the rest
+    recorded, unsent (`jobs.sent_at` null: their note says so, `routing.note_for`), for the
+    reconciler to send when the broker is back; the rest are not tried, as each try waits
+    for Celery's retries."""
+    for job_id, queue in jobs:
+        try:
+            dispatch(session, dispatcher, job_id, queue)
+        except BrokerUnavailable as error:
+            # Info, not a warning: the submitter is told in the job's note, and a warning would
+            # reach a CLI's stderr (Python's last-resort handler) beside it.
+            log.info("%s; jobs %s stay unsent", error, [job for job, _ in jobs])
+            return
 
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:

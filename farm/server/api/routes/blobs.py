@@ -148,8 +148,9 @@ def list_verifications(
     farm: Farm,
     _: SubmitCaller,
     limit: int = Query(100, ge=1, le=MAX_PAGE),
+    # verifications.id is a 4-byte INTEGER: a larger bound is a 422, not PostgreSQL's overflow.
     before: int | None = Query(
-        None, ge=1, le=2**62, description="Only those with an id below this."
+        None, ge=1, le=2**31 - 1, description="Only those with an id below this."
     ),
 ) -> list[dict[str, Any]]:
     """The newest verifications of the blobs stored under `cache_key` (rebuilt ones too), a
