@@ -21,6 +21,10 @@ TABLES = {
     "api_tokens",
     "blob_deletions",
     "verifications",
+    "channels",
+    "channel_revisions",
+    "channel_moves",
+    "channel_edges",
 }
 
 
