@@ -342,6 +342,11 @@ def test_a_prebuild_for_the_next_openvino_gives_upgraded_edges_hits(
         assert served.wait_job(result["job"], timeout=300).state == "succeeded"
     after = farm_run(submitter, "channel", "status", CHANNEL, "--toolchain", str(toolchain))
     assert after["missing"] == [] and {e["state"] for e in after["prebuilt"]} == {"built"}
+    page = httpx.get(
+        f"{api.url}/dashboard", headers={"Authorization": f"Bearer {api.tokens['submit']}"}
+    ).text
+    assert "<h2>Channels</h2>" in page  # what is built for each release the workers have
+    assert f"{OLD_RELEASE}: 2/2" in page and f"{openvino_release()}: 2/2" in page
     again = farm_run(submitter, "prebuild", "--toolchain", str(toolchain), "--channel", CHANNEL)
     assert [r["outcome"] for r in again] == ["hit", "hit"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from farm.core.channels import Entry
@@ -144,3 +144,36 @@ def _built_for(session: Session, entry: Entry, toolchain: Toolchain) -> dict[str
     if job is not None:
         return {**found, "state": "building", "job": job}
     return {**found, "state": "missing"}
+
+
+def dashboard_rows(session: Session, toolchains: list[Toolchain]) -> list[dict[str, Any]]:
+    """Per channel, for the dashboard: its rollout, its edges, and for each toolchain the
+    farm's workers compile with, how many of the entries it runs are built (prebuilt before
+    the fleet upgrades, or not)."""
+    rows = []
+    for channel in session.scalars(select(Channel).order_by(Channel.name)):
+        running = [
+            entry
+            for revision in service.revisions_of(session, channel)
+            if revision.number in (channel.stable_revision, channel.candidate_revision)
+            for entry in revision.entries
+        ]
+        counts = session.execute(
+            select(ChannelEdge.ok, func.count())
+            .where(ChannelEdge.channel_id == channel.id)
+            .group_by(ChannelEdge.ok)
+        ).all()
+        by_ok = {bool(ok): count for ok, count in counts}
+        built = {}
+        for toolchain in toolchains:
+            states = [_built_for(session, entry, toolchain)["state"] for entry in running]
+            built[toolchain.openvino] = (states.count("built"), len(states))
+        rows.append(
+            {
+                **channel_dict(channel),
+                "edges": sum(by_ok.values()),
+                "failing": by_ok.get(False, 0),
+                "built": built,
+            }
+        )
+    return rows
