@@ -41,17 +41,21 @@ class RevisionIn(Strict):
     entries: list[EntryIn] = Field(min_length=1, max_length=256)
 
 
+INT32 = 2**31 - 1
+"""The database's integer columns: a larger number is a 422, not a driver error."""
+
+
 class PromoteIn(Strict):
-    revision: int = Field(ge=1)
+    revision: int = Field(ge=1, le=INT32)
     percent: int = Field(ge=1, le=100)
     force: bool = False
 
 
 class EdgeReportIn(Strict):
     agent_id: Name
-    revision: int | None = None
-    wanted_revision: int | None = None
-    sequence: int | None = Field(None, ge=0)
+    revision: int | None = Field(None, ge=1, le=INT32)
+    wanted_revision: int | None = Field(None, ge=1, le=INT32)
+    sequence: int | None = Field(None, ge=0, le=INT32)
     openvino: Annotated[Text, StringConstraints(max_length=64)] | None = None
     runtime_requirements: Annotated[Text, StringConstraints(max_length=512)] | None = None
     targets: list[Annotated[Text, StringConstraints(max_length=16)]] = Field(
@@ -85,7 +89,7 @@ def show(
     name: ChannelName,
     farm: Farm,
     _: SubmitCaller,
-    revision: int | None = Query(None, ge=1, le=2**31 - 1),
+    revision: int | None = Query(None, ge=1, le=INT32),
 ) -> dict[str, Any]:
     """The channel, its revisions (or one) and its last moves."""
     with farm.session() as session:
