@@ -5,7 +5,9 @@
 - channel_revisions: each revision's models and specs, who made it and when;
 - channel_moves: the audit of every move (set, promote, rollback), forced gates included;
 - channel_edges: what each edge following a channel runs, as it last reported;
-- views channel_overview, channel_revision_log and channel_fleet for the admin queries.
+- views channel_overview, channel_revision_log and channel_fleet for the admin queries;
+- api_tokens.role admits 'release': moves channels, besides what 'submit' may do. SQLite
+  cannot alter a CHECK constraint, so there the table is rebuilt (no view reads it).
 
 Revision ID: 0018
 Revises: 0012
@@ -57,8 +59,27 @@ VIEWS = {
 }
 
 
+OLD_ROLES = "role IN ('pull', 'submit', 'admin')"
+NEW_ROLES = "role IN ('pull', 'submit', 'release', 'admin')"
+OLD_ROLE_COMMENT = "'pull' (resolve, download, report), 'submit' (+ jobs), 'admin' (all)."
+NEW_ROLE_COMMENT = (
+    "'pull' (resolve, download, report), 'submit' (+ jobs), 'release' (+ move channels), "
+    "'admin' (all)."
+)
+
+
+def _roles(condition: str, comment: str, previous: str) -> None:
+    with op.batch_alter_table("api_tokens") as table:
+        table.drop_constraint(op.f("ck_api_tokens_role"), type_="check")
+        table.create_check_constraint("role", condition)
+        table.alter_column(
+            "role", existing_type=sa.String(16), comment=comment, existing_comment=previous
+        )
+
+
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
+    _roles(NEW_ROLES, NEW_ROLE_COMMENT, OLD_ROLE_COMMENT)
     op.create_table(
         "channels",
         sa.Column("id", sa.Integer(), nullable=False, comment="Row id."),
@@ -276,3 +297,6 @@ def downgrade() -> None:
     op.drop_index("uq_channel_revisions_channel_number", table_name="channel_revisions")
     op.drop_table("channel_revisions")
     op.drop_table("channels")
+    # A release token becomes a submit token: it keeps everything but moving channels.
+    op.execute("UPDATE api_tokens SET role = 'submit' WHERE role = 'release'")
+    _roles(OLD_ROLES, OLD_ROLE_COMMENT, NEW_ROLE_COMMENT)

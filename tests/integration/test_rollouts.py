@@ -213,7 +213,11 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
     # A second revision, staged: the first stage is not gated, and the same half moves.
     farm_run(admin, "channel", "set", CHANNEL, str(paths[2]), "-d", "CPU")
     assert farm_run(admin, "channel", "show", CHANNEL)["stable_revision"] == 1
-    staged = farm_run(admin, "channel", "promote", CHANNEL, "--revision", "2", "--percent", "50")
+    from farm.server.tokens import create_token
+
+    with served.sessions() as session:
+        releaser = {**admin, "FARM_TOKEN": create_token(session, "release-mgr", "release")}
+    staged = farm_run(releaser, "channel", "promote", CHANNEL, "--revision", "2", "--percent", "50")
     assert (staged["candidate_revision"], staged["percent"]) == (2, 50)
     synced = fleet.sync("--verify")
     for name in inside:
@@ -252,6 +256,10 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
         admin, "channel", "promote", CHANNEL, "--revision", "2", "--percent", "100", expect=2
     )
     assert refused["code"] == "promotion_blocked" and "failed verification" in refused["message"]
+    forced = ("--revision", "2", "--percent", "100", "--force")
+    assert (
+        farm_run(releaser, "channel", "promote", CHANNEL, *forced, expect=6)["code"] == "forbidden"
+    )
     halted = farm_run(submitter, "channel", "status", CHANNEL)
     assert any("quarantined" in problem for problem in halted["gates"])
 
@@ -264,7 +272,7 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
     assert sum(r["downloaded"] for r in synced.values()) == 0
     moves = farm_run(admin, "channel", "show", CHANNEL)["moves"]
     assert [m["action"] for m in moves][:3] == ["rollback", "promote", "set"]
-    assert all(m["actor"] == "test-admin" for m in moves)
+    assert {m["actor"] for m in moves} == {"test-admin", "release-mgr"}
 
     # A proxy that swaps the document (another revision, a bigger share) is refused: the
     # signature no longer verifies; one that replays an older signed document is refused too.

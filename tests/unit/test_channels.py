@@ -292,3 +292,14 @@ def _days_ago(days: int):
     from farm.core.clock import now
 
     return now() - timedelta(days=days)
+
+
+def test_a_release_token_moves_channels_and_only_an_admin_forces(embedded_farm):
+    from farm.server.tokens import ROLES, Caller, authenticate, create_token
+
+    with embedded_farm.session() as session:
+        secret = create_token(session, "release-bot", "release")  # the schema admits the role
+        caller = authenticate(session, secret)
+    assert caller == Caller("release-bot", "release")
+    assert caller.may("submit") and caller.may("release") and not caller.may("admin")
+    assert ROLES.index("submit") < ROLES.index("release") < ROLES.index("admin")

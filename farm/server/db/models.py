@@ -433,7 +433,7 @@ class ApiToken(Base):
     __tablename__ = "api_tokens"
     __table_args__ = (
         *sha256_checks("token_sha256"),
-        CheckConstraint("role IN ('pull', 'submit', 'admin')", name="role"),
+        CheckConstraint("role IN ('pull', 'submit', 'release', 'admin')", name="role"),
         {
             "comment": "Bearer tokens of the HTTP API. Only their sha256 is stored. Inserted by "
             "`farm token create`; last_used_at updated at most once a minute; revoked_at set "
@@ -446,7 +446,9 @@ class ApiToken(Base):
         String(128), unique=True, comment="Who holds it ('edge-042', 'ci'); recorded as submitter."
     )
     role: Mapped[str] = mapped_column(
-        String(16), comment="'pull' (resolve, download, report), 'submit' (+ jobs), 'admin' (all)."
+        String(16),
+        comment="'pull' (resolve, download, report), 'submit' (+ jobs), 'release' (+ move "
+        "channels), 'admin' (all).",
     )
     token_sha256: Mapped[str] = mapped_column(
         String(64), unique=True, comment="sha256 of the token; the token itself is never stored."

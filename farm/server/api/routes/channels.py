@@ -1,4 +1,5 @@
-"""Channels: create, set a revision, promote, roll back (admins); show and status (submit
+"""Channels: create, set a revision, promote, roll back (`release` or `admin` tokens; only an
+admin forces a gate); show and status (submit
 tokens); the signed document and the edges' reports (pull tokens); prebuild (submit tokens)."""
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import Field, StringConstraints
 
 from farm.core.channels import Entry
+from farm.core.errors import ApiError
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server.api.deps import (
-    AdminCaller,
     Dispatch,
     Farm,
     PullCaller,
+    ReleaseCaller,
     SubmitCaller,
     known_query_only,
 )
@@ -78,7 +80,7 @@ def entry_of(body: EntryIn) -> Entry:
 
 
 @router.post("/v1/channels", status_code=201)
-def create(body: ChannelIn, farm: Farm, caller: AdminCaller) -> dict[str, Any]:
+def create(body: ChannelIn, farm: Farm, caller: ReleaseCaller) -> dict[str, Any]:
     with farm.session() as session:
         channel = service.create(session, farm.signer, body.name, caller.name)
         return status.channel_dict(channel)
@@ -98,7 +100,7 @@ def show(
 
 @router.post("/v1/channels/{name}/revisions", status_code=201, responses={404: {}})
 def set_revision(
-    name: ChannelName, body: RevisionIn, farm: Farm, caller: AdminCaller
+    name: ChannelName, body: RevisionIn, farm: Farm, caller: ReleaseCaller
 ) -> dict[str, Any]:
     entries = [entry_of(entry) for entry in body.entries]
     with farm.session() as session:
@@ -107,7 +109,16 @@ def set_revision(
 
 
 @router.post("/v1/channels/{name}/promote", responses={404: {}, 409: {}})
-def promote(name: ChannelName, body: PromoteIn, farm: Farm, caller: AdminCaller) -> dict[str, Any]:
+def promote(
+    name: ChannelName, body: PromoteIn, farm: Farm, caller: ReleaseCaller
+) -> dict[str, Any]:
+    if body.force and not caller.may("admin"):
+        raise ApiError(
+            403,
+            "forbidden",
+            f"forcing a promotion past its gates needs the 'admin' role; token {caller.name!r} "
+            f"has {caller.role!r}",
+        )
     with farm.session() as session:
         channel = service.promote(
             session,
@@ -123,7 +134,7 @@ def promote(name: ChannelName, body: PromoteIn, farm: Farm, caller: AdminCaller)
 
 
 @router.post("/v1/channels/{name}/rollback", responses={404: {}, 409: {}})
-def rollback(name: ChannelName, farm: Farm, caller: AdminCaller) -> dict[str, Any]:
+def rollback(name: ChannelName, farm: Farm, caller: ReleaseCaller) -> dict[str, Any]:
     with farm.session() as session:
         return status.channel_dict(service.rollback(session, farm.signer, name, caller.name))
 
