@@ -303,3 +303,38 @@ def test_a_release_token_moves_channels_and_only_an_admin_forces(embedded_farm):
     assert caller == Caller("release-bot", "release")
     assert caller.may("submit") and caller.may("release") and not caller.may("admin")
     assert ROLES.index("submit") < ROLES.index("release") < ROLES.index("admin")
+
+
+def test_prebuild_submits_what_edges_pulled_lately_for_the_next_toolchain(served_farm, stub):
+    from farm.core.spec import Toolchain
+    from farm.server.blobs.service import record_pull
+    from farm.server.channels import prebuild
+    from farm.server.jobs.service import register_model
+    from tests.unit.conftest import make_ref, store_model
+
+    farm = served_farm
+    pulled, idle = make_ref(farm.settings.home / "a", "a"), make_ref(farm.settings.home / "b", "b")
+    ids = []
+    for ref in (pulled, idle):
+        store_model(farm, ref)
+        with farm.session() as session:
+            ids.append(register_model(session, ref.info).id)
+            session.commit()
+    add_blob(farm, ids[0], key("a"))
+    add_blob(farm, ids[1], key("b"), created_at=_days_ago(60))
+    with farm.session() as session:
+        record_pull(session, key("a"), "edge-1", True)
+        entries = prebuild.pulled_entries(session, 7)
+        assert [e.model for e in entries] == [pulled.identity]
+        upgrade = Toolchain("2026.9.0", runtime_requirements="ov=2026.9.0;isa=avx2")
+        results = prebuild.prebuild(
+            session, farm.store, farm.settings, stub, entries, upgrade, "ci"
+        )
+        assert [(r["outcome"], r["cache_key"]) for r in results] == [
+            ("queued", entries[0].cache_key(upgrade))
+        ]
+        again = prebuild.prebuild(session, farm.store, farm.settings, stub, entries, upgrade, "ci")
+        assert [r["outcome"] for r in again] == ["existing"]  # one job per key
+        with pytest.raises(SpecError, match="nothing to prebuild"):
+            prebuild.prebuild(session, farm.store, farm.settings, stub, [], upgrade, "ci")
+    assert len(stub.sent) == 1
