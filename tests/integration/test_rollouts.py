@@ -92,7 +92,15 @@ class DocumentProxy:
         request.wfile.write(answer)
 
 
-def farm_run(env: dict[str, str], *args: str, python: str = sys.executable, expect: int = 0):
+def farm_run(
+    env: dict[str, str],
+    *args: str,
+    python: str = sys.executable,
+    expect: int = 0,
+    stdout: bool = False,
+):
+    """`farm ARGS --json`: its answer (stdout), or with an `expect`ed failure its error
+    (stderr), or its answer anyway with `stdout` (a command that answers and fails)."""
     done = subprocess.run(
         [python, "-m", "farm", *args, "--json"],
         capture_output=True,
@@ -104,7 +112,9 @@ def farm_run(env: dict[str, str], *args: str, python: str = sys.executable, expe
     assert done.returncode == expect, (
         f"farm {' '.join(args)} → {done.returncode}\n{done.stderr}\n{done.stdout[-2000:]}"
     )
-    return json.loads(done.stdout) if expect == 0 else json.loads(done.stderr or "{}")
+    if expect == 0 or stdout:
+        return json.loads(done.stdout)
+    return json.loads(done.stderr or "{}")
 
 
 class Fleet:
@@ -328,6 +338,7 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
     assert final["failures"] == []
 
 
+@pytest.mark.slow  # a second OpenVINO release in a virtualenv of its own, as test_releases.py
 def test_a_prebuild_for_the_next_openvino_gives_upgraded_edges_hits(
     served,
     api,
@@ -415,3 +426,40 @@ def _signed_at(served, name: str, sequence: int) -> dict:
         "signature": sign_document(signer, document),
         "signing_key_id": signer.key_id,
     }
+
+
+def test_a_switch_that_cannot_complete_leaves_the_edge_on_its_revision_and_says_why(tmp_path):
+    """The embedded farm (no services): revision 2 names a spec whose compile failed, so the
+    farm has no blob for it; the edge stays on revision 1, exits 1, and the farm shows why."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("FARM_")},
+        "FARM_HOME": str(tmp_path / "farm"),
+        "FARM_CACHE_DIR": str(tmp_path / "cache"),
+        "FARM_AGENT_ID": "edge-1",
+    }
+    xml = models.save_ir(models.conv_net(seed=31), tmp_path / "m" / "m.xml")
+    farm_run(env, "submit", str(xml), "-d", "CPU")
+    refused = ("--config", "PERFORMANCE_HINT_NUM_REQUESTS=999999999999")  # OpenVINO refuses it
+    farm_run(env, "submit", str(xml), "-d", "CPU", *refused, expect=1)
+    farm_run(env, "channel", "create", CHANNEL)
+    farm_run(env, "channel", "set", CHANNEL, str(xml), "-d", "CPU")
+    first = farm_run(env, "agent", "sync", "--channel", CHANNEL)
+    assert (first["status"], first["revision"]) == ("switched", 1)
+    farm_run(env, "channel", "set", CHANNEL, str(xml), "-d", "CPU", *refused)
+    farm_run(env, "channel", "promote", CHANNEL, "--revision", "2", "--percent", "100", "--force")
+
+    failed = farm_run(env, "agent", "sync", "--channel", CHANNEL, expect=1, stdout=True)
+    assert (failed["status"], failed["revision"], failed["wanted_revision"]) == ("failed", 1, 2)
+    assert "no blob" in failed["error"]
+    pointer = json.loads((tmp_path / "cache" / "channels" / CHANNEL / "current.json").read_text())
+    assert pointer["revision"] == 1 and pointer["keys"] == first["keys"]
+    status = farm_run(env, "channel", "status", CHANNEL)
+    (failure,) = status["failures"]
+    assert (failure["agent_id"], failure["revision"], failure["wanted_revision"]) == (
+        "edge-1",
+        1,
+        2,
+    )
+    assert "no blob" in failure["error"]
+    moves = farm_run(env, "channel", "show", CHANNEL)["moves"]
+    assert moves[0]["forced"] and "0 passed verification" in moves[0]["gate_report"]
