@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from farm.core.channels import Entry
-from farm.core.errors import SpecError
+from farm.core.errors import NotFound, SpecError
 from farm.core.spec import Toolchain
 from farm.core.vocabulary import ACTIVE_STATES
 from farm.server.channels import service
@@ -42,7 +42,7 @@ def show(session: Session, name: str, number: int | None = None) -> dict[str, An
     if number is not None:
         rows = [row for row in rows if row.number == number]
         if not rows:
-            raise SpecError(f"channel {name!r} has no revision {number}")
+            raise NotFound(f"channel {name!r} has no revision {number}")
     return {
         **channel_dict(channel),
         "revisions": [
