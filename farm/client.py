@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from farm.core.channels import check_name
 from farm.core.errors import ApiError, IntegrityMismatch, Kind
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
@@ -336,6 +337,67 @@ class FarmClient:
 
     def delete_blob(self, cache_key: str) -> None:
         self._request("DELETE", f"/v1/blobs/{cache_key}")
+
+    # --- channels -----------------------------------------------------------------------------
+
+    def create_channel(self, name: str) -> dict:
+        return self._call("POST", "/v1/channels", json={"name": name})
+
+    def channel(self, name: str, revision: int | None = None) -> dict:
+        params = {} if revision is None else {"revision": revision}
+        return self._call("GET", f"/v1/channels/{_channel(name)}", params=params)
+
+    def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict:
+        """A new revision; `entries` as `Entry.as_dict` gives them."""
+        body = [
+            {"name": e["name"], "model": e["model"], "spec": {"target": e["target"], **e["spec"]}}
+            for e in entries
+        ]
+        return self._call(
+            "POST", f"/v1/channels/{_channel(name)}/revisions", json={"entries": body}
+        )
+
+    def promote_channel(self, name: str, revision: int, percent: int, force: bool) -> dict:
+        body = {"revision": revision, "percent": percent, "force": force}
+        return self._call("POST", f"/v1/channels/{_channel(name)}/promote", json=body)
+
+    def rollback_channel(self, name: str) -> dict:
+        return self._call("POST", f"/v1/channels/{_channel(name)}/rollback")
+
+    def channel_document(self, name: str) -> dict:
+        """`{document, signature, signing_key_id}`: the edge verifies it (farm/edge/channel.py)."""
+        return self._call("GET", f"/v1/channels/{_channel(name)}/document")
+
+    def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:
+        self._request("POST", f"/v1/channels/{_channel(name)}/edges", json=report)
+
+    def channel_status(self, name: str, toolchain: dict[str, Any] | None = None) -> dict:
+        params = {}
+        if toolchain is not None:
+            params = {
+                k: v
+                for k, v in toolchain.items()
+                if k in ("openvino", "runtime_requirements") and v
+            }
+        return self._call("GET", f"/v1/channels/{_channel(name)}/status", params=params)
+
+    def prebuild(
+        self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
+    ) -> list[dict]:
+        body = {
+            "toolchain": {
+                "openvino": toolchain["openvino"],
+                "runtime_requirements": toolchain.get("runtime_requirements"),
+            },
+            "channel": channel,
+            "pulled_since_days": pulled_since_days,
+        }
+        return self._call("POST", "/v1/prebuild", json=body)
+
+
+def _channel(name: str) -> str:
+    """A channel name checked before it goes into a URL path."""
+    return check_name(name)
 
 
 @contextlib.contextmanager

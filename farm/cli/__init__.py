@@ -61,4 +61,4 @@ def main() -> None:
     """farm: compile OpenVINO models once, import the blobs everywhere."""
 
 
-from farm.cli import edge, jobs, keys, ops, quarantine, toolchain, verify  # noqa: E402,F401
+from farm.cli import channel, edge, jobs, keys, ops, quarantine, toolchain, verify  # noqa: E402,F401

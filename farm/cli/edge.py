@@ -15,6 +15,7 @@ import click
 from farm.cli import main
 from farm.cli.backends import Backend
 from farm.cli.common import (
+    EXIT_JOB_FAILED,
     EXIT_NOT_FOUND,
     backend,
     emit,
@@ -34,6 +35,9 @@ from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.identity import ModelRef, key_for
 from farm.core.spec import SpecError, Target
+
+EXIT_SWITCH_FAILED = EXIT_JOB_FAILED
+"""`farm agent sync --channel`: the switch failed, the edge stays on its revision."""
 
 
 def edge_agent(source: Backend | None = None):
@@ -214,7 +218,14 @@ def agent() -> None:
 
 
 @agent.command("sync")
-@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument(
+    "manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=False
+)
+@click.option(
+    "--channel",
+    "channel_name",
+    help="Follow this channel instead of a manifest: its signed document says what to run.",
+)
 @click.option("--interval", type=float, help="Run again every this many seconds (a loop).")
 @click.option("--import", "do_import", is_flag=True, help="Import each blob to check it loads.")
 @click.option(
@@ -226,11 +237,24 @@ def agent() -> None:
 @json_option
 @handle_errors
 def sync(
-    manifest: Path, interval: float | None, do_import: bool, do_verify: bool, as_json: bool
+    manifest: Path | None,
+    channel_name: str | None,
+    interval: float | None,
+    do_import: bool,
+    do_verify: bool,
+    as_json: bool,
 ) -> None:
     """Pull every model and spec listed in MANIFEST (TOML); report what the farm lacks.
+    With --channel NAME instead: follow the channel (switch to the revision its signed
+    document gives this edge once every blob is fetched and verified).
 
-    Exit code 3 when the farm lacks some of them (so a script can tell)."""
+    Exit code 3 when the farm lacks some of them (so a script can tell); with --channel, the
+    exit code of the failed switch's error (the edge stays on its revision)."""
+    if (manifest is None) == (channel_name is None):
+        raise SpecError("give a MANIFEST or --channel NAME (one of them)")
+    if manifest is None:
+        _follow(str(channel_name), interval, do_import, do_verify, as_json)
+        return
     from farm.edge.sync import load_manifest, sync_once  # the edge: only when used
 
     entries = load_manifest(manifest)
@@ -253,3 +277,40 @@ def _print_sync(results) -> None:
         if result.detail:
             line += f"  ({result.detail})"
         say(line, out if result.status == "ready" else err, soft_wrap=True)
+
+
+def _follow(
+    name: str, interval: float | None, do_import: bool, do_verify: bool, as_json: bool
+) -> None:
+    from farm.edge.channel import sync_channel  # the edge: only when used
+
+    farm = backend()
+    agent = edge_agent(farm)
+    while True:
+        result = sync_channel(
+            agent, farm, name, get_settings().cache_dir, do_import=do_import, do_verify=do_verify
+        )
+        emit(result.as_dict(), as_json, functools.partial(_print_follow, result))
+        if interval is None:
+            break
+        sys.stdout.flush()
+        time.sleep(interval)
+    if result.status == "failed":
+        sys.exit(EXIT_SWITCH_FAILED)
+
+
+def _print_follow(result) -> None:
+    if result.status == "failed":
+        say(
+            f"channel {result.channel}: staying on revision {result.revision}; revision "
+            f"{result.wanted_revision} failed: {result.error}",
+            err,
+            soft_wrap=True,
+        )
+        return
+    say(
+        f"channel {result.channel}: {result.status}, revision {result.revision} "
+        f"(sequence {result.sequence}, {result.downloaded} downloaded)"
+    )
+    for key in result.keys:
+        say(f"  {key['name']} {key['spec']}  {key['cache_key'][:16]}…", soft_wrap=True)

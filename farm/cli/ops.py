@@ -288,7 +288,7 @@ def token() -> None:
 
 @token.command("create")
 @click.option("--name", required=True, help="Who holds it: 'edge-042', 'ci'.")
-@click.option("--role", type=click.Choice(["pull", "submit", "admin"]), required=True)
+@click.option("--role", type=click.Choice(["pull", "submit", "release", "admin"]), required=True)
 @click.option(
     "--expires-in",
     "expires_in",

@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     """A failed `farm verify` report quarantines its blob (edges refuse it until an admin
     releases it). Any pull token may report: a fleet whose edges' tokens are not trusted that
     far turns this off and quarantines by hand (`farm blobs quarantine`)."""
+    channel_min_verifications: int = 1
+    """Passed verifications each blob of a channel's candidate revision needs, on devices of
+    its target, before a promotion past its first stage (`farm channel promote`); an admin may
+    `--force` it (recorded). 0: only failed verifications and quarantines block."""
     reference_outputs: bool = True
     """Run each compiled model's source on CPU in f32 and store its outputs beside the blob, for
     `farm verify` on the edges. Skipped (with the reason recorded) for a model too large for

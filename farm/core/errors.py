@@ -151,6 +151,14 @@ class Conflict(FarmError):
     kind, code = Kind.CONFLICT, "conflict"
 
 
+class PromotionBlocked(FarmError):
+    """A channel's rollout may not go further: a blob of the revision failed verifications,
+    is quarantined, or has too few passed verifications on devices of its target. An admin
+    may force it (`--force`, recorded)."""
+
+    kind, code = Kind.CONFLICT, "promotion_blocked"
+
+
 class ModelMissing(FarmError, LookupError):
     """The store lacks model files a new job needs; upload them and submit again."""
 
@@ -211,6 +219,13 @@ class SignatureError(FarmError):
     """A blob record that is unsigned, signed by an untrusted key, or whose signature fails."""
 
     kind, code = Kind.UNTRUSTED, "signature_invalid"
+
+
+class ChannelReplay(SignatureError):
+    """A channel document older than one this edge already accepted (a replay), or a second
+    document with the same sequence: refused, the edge stays on its revision."""
+
+    code = "channel_replay"
 
 
 class BlobQuarantined(FarmError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import openvino as ov
 
@@ -24,6 +24,7 @@ from farm.core.identity import ModelRef, key_for
 from farm.core.signing import TrustedKeys, public_key_path
 from farm.core.spec import CompileSpec
 from farm.edge.agent import EdgeAgent
+from farm.edge.channel import ChannelSource, ChannelSync, sync_channel
 from farm.edge.importer import ImportedBlob, import_blob, infer_once
 from farm.prepare import apply_shapes, read_model
 from farm.toolchain import compile_properties, host_toolchain
@@ -36,6 +37,7 @@ __all__ = [
     "VerificationFailed",
     "agent_from_settings",
     "compile_model",
+    "follow_channel",
     "import_blob",
     "infer_once",
 ]
@@ -105,6 +107,25 @@ def compile_model(
     # OpenVINO reads the blob through the memory map for as long as the model lives.
     imported.compiled.farm_import = imported
     return imported.compiled
+
+
+def follow_channel(
+    name: str, *, do_import: bool = False, verify: bool = False, agent: EdgeAgent | None = None
+) -> ChannelSync:
+    """Follow channel `name` once (`farm agent sync --channel NAME`): check its signed document,
+    fetch (verify, import) the blobs of the revision it gives this edge, computed offline for
+    this machine's toolchain, and switch the edge's `current` pointer only when all are in.
+    The result's `keys` are the cache keys the app imports (`compile_model` finds them)."""
+    owned = agent is None
+    agent = agent or agent_from_settings()
+    try:
+        source = cast(ChannelSource, agent.source)
+        return sync_channel(
+            agent, source, name, get_settings().cache_dir, do_import=do_import, do_verify=verify
+        )
+    finally:
+        if owned:
+            agent.source.close()
 
 
 def _verify(agent: EdgeAgent, key: str, device: str, weights: Path | None) -> None:

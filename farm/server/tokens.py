@@ -15,8 +15,9 @@ from farm.core.clock import now
 from farm.core.errors import NotFound, TokenError, TokenExpired
 from farm.server.db.models import ApiToken
 
-ROLES = ("pull", "submit", "admin")
-"""Each role may do what the roles before it may do."""
+ROLES = ("pull", "submit", "release", "admin")
+"""Each role may do what the roles before it may do; `release` adds moving channels (create,
+set, promote, rollback) to `submit`, and only `admin` forces a promotion past its gates."""
 TOKEN_PREFIX = "farm_"
 LAST_USED_EVERY = timedelta(minutes=1)
 

@@ -23,6 +23,10 @@ TABLES = {
     "verifications",
     "model_uploads",
     "dashboard_sessions",
+    "channels",
+    "channel_revisions",
+    "channel_moves",
+    "channel_edges",
 }
 
 

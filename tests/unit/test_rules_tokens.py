@@ -108,7 +108,7 @@ def test_a_duplicate_name_is_refused_and_the_first_token_still_works(session):
 def test_an_unknown_role_is_refused(session):
     with pytest.raises(TokenError) as raised:
         create_token(session, "ci", "root")
-    assert str(raised.value) == "unknown role 'root'; roles: pull, submit, admin"
+    assert str(raised.value) == "unknown role 'root'; roles: pull, submit, release, admin"
     assert rows(session) == []
 
 

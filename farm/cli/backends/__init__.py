@@ -112,6 +112,40 @@ class Backend(Protocol):
         """Delete a quarantined blob (admin)."""
         ...
 
+    # --- channels (docs/architecture.md §16) -------------------------------------------------
+
+    def create_channel(self, name: str) -> dict[str, Any]: ...
+
+    def channel(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        """The channel, its revisions (or only `revision`) and its last moves."""
+        ...
+
+    def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """A new revision running `entries` (`farm.core.channels.Entry.as_dict`)."""
+        ...
+
+    def promote_channel(
+        self, name: str, revision: int, percent: int, force: bool = False
+    ) -> dict[str, Any]: ...
+
+    def rollback_channel(self, name: str) -> dict[str, Any]: ...
+
+    def channel_document(self, name: str) -> dict[str, Any]:
+        """`{document, signature, signing_key_id}`: what an edge verifies and acts on."""
+        ...
+
+    def report_channel_edge(self, name: str, report: dict[str, Any]) -> None: ...
+
+    def channel_status(
+        self, name: str, toolchain: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+
+    def prebuild(
+        self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
+    ) -> list[dict[str, Any]]:
+        """Submit what the fleet runs for `toolchain`: one result per model and spec."""
+        ...
+
     def close(self) -> None: ...
 
 

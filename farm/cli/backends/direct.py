@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from farm.cli.backends import Advance, SubmitProgress
+from farm.core.channels import Entry
 from farm.core.checks import Check
 from farm.core.config import Settings
 from farm.core.errors import KeyFileError, NotFound
@@ -29,6 +30,9 @@ from farm.server import doctor, pagination, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
+from farm.server.channels import prebuild as prebuilds
+from farm.server.channels import service as channels
+from farm.server.channels import status as channel_status
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
@@ -252,6 +256,84 @@ class Direct:
     def delete_blob(self, cache_key: str) -> None:
         with self._session() as session:
             delete_quarantined(session, self.farm.store, cache_key, _operator())
+
+    # --- channels --------------------------------------------------------------------------------
+
+    def create_channel(self, name: str) -> dict[str, Any]:
+        with self._session() as session:
+            channel = channels.create(session, self.farm.signer, name, _operator())
+            return channel_status.channel_dict(channel)
+
+    def channel(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        with self._session() as session:
+            return channel_status.show(session, name, revision)
+
+    def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        parsed = [Entry.from_dict(entry) for entry in entries]
+        with self._session() as session:
+            channels.set_revision(session, self.farm.signer, name, parsed, _operator())
+            return channel_status.show(session, name)
+
+    def promote_channel(
+        self, name: str, revision: int, percent: int, force: bool = False
+    ) -> dict[str, Any]:
+        with self._session() as session:
+            channel = channels.promote(
+                session,
+                self.farm.signer,
+                name,
+                revision,
+                percent,
+                _operator(),
+                min_verifications=self.farm.settings.channel_min_verifications,
+                force=force,
+            )
+            return channel_status.channel_dict(channel)
+
+    def rollback_channel(self, name: str) -> dict[str, Any]:
+        with self._session() as session:
+            channel = channels.rollback(session, self.farm.signer, name, _operator())
+            return channel_status.channel_dict(channel)
+
+    def channel_document(self, name: str) -> dict[str, Any]:
+        with self._session() as session:
+            return channels.document_of(session, name)
+
+    def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:
+        fields = dict(report)
+        with self._session() as session:
+            channels.record_edge(session, name, fields.pop("agent_id"), fields)
+
+    def channel_status(self, name: str, toolchain: dict[str, Any] | None = None) -> dict[str, Any]:
+        chain = Toolchain.from_json(toolchain) if toolchain is not None else None
+        with self._session() as session:
+            return channel_status.status(
+                session, name, self.farm.settings.channel_min_verifications, chain
+            )
+
+    def prebuild(
+        self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
+    ) -> list[dict[str, Any]]:
+        chain = Toolchain.from_json(toolchain)
+        served = self.farm.settings.served
+        dispatcher = self.farm.dispatcher() if served else InlineDispatcher(self.farm.run)
+        try:
+            with self._session() as session:
+                if channel is not None:
+                    entries = prebuilds.channel_entries(session, channel)
+                else:
+                    entries = prebuilds.pulled_entries(session, pulled_since_days or 30)
+                return prebuilds.prebuild(
+                    session,
+                    self.farm.store,
+                    self.farm.settings,
+                    dispatcher,
+                    entries,
+                    chain,
+                    _operator(),
+                )
+        finally:
+            dispatcher.close()
 
     # --- operators -----------------------------------------------------------------------------
 

@@ -102,5 +102,36 @@ class Http:
     def delete_blob(self, cache_key: str) -> None:
         self.client.delete_blob(cache_key)
 
+    def create_channel(self, name: str) -> dict[str, Any]:
+        return self.client.create_channel(name)
+
+    def channel(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        return self.client.channel(name, revision)
+
+    def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.client.set_channel(name, entries)
+
+    def promote_channel(
+        self, name: str, revision: int, percent: int, force: bool = False
+    ) -> dict[str, Any]:
+        return self.client.promote_channel(name, revision, percent, force)
+
+    def rollback_channel(self, name: str) -> dict[str, Any]:
+        return self.client.rollback_channel(name)
+
+    def channel_document(self, name: str) -> dict[str, Any]:
+        return self.client.channel_document(name)
+
+    def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:
+        self.client.report_channel_edge(name, report)
+
+    def channel_status(self, name: str, toolchain: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.client.channel_status(name, toolchain)
+
+    def prebuild(
+        self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
+    ) -> list[dict[str, Any]]:
+        return self.client.prebuild(toolchain, channel, pulled_since_days)
+
     def close(self) -> None:
         self.client.close()

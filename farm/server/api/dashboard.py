@@ -21,6 +21,7 @@ from a per-process cache refreshed in the background (`FARM_METRICS_CACHE_SECOND
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -28,6 +29,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import func, select
 
+from farm.core.spec import Toolchain
 from farm.server import routing
 from farm.server.api import dashboard_html as html
 from farm.server.api import sessions
@@ -35,6 +37,7 @@ from farm.server.api.cached import Cached
 from farm.server.api.deps import farm_of
 from farm.server.api.schemas import Text
 from farm.server.blobs import service as blob_service
+from farm.server.channels import status as channel_status
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
 from farm.server.tokens import Caller, TokenExpired, authenticate
@@ -171,8 +174,25 @@ def dashboard(
             html.jobs_table(jobs, model_names(session, jobs)),
             html.blobs_table(blobs, pulls),
             html.workers_table(shown, live),
+            _channels(session, running),
         )
     return _page(body)
+
+
+def _channels(session, running: list) -> str:
+    """The channels table, when the farm has channels: each one's rollout and, per toolchain
+    the live workers compile with, what is built for it."""
+    parts: dict[str, list] = {}
+    for worker in running:
+        for part in (worker.toolchains or {}).values():
+            if isinstance(part, dict) and part.get("openvino"):
+                parts.setdefault(str(part["openvino"]), []).append(part)
+    toolchains = []
+    for release in parts.values():  # one per release; its CPU part names the requirements
+        with contextlib.suppress(Exception):
+            toolchains.append(Toolchain.from_json(release))
+    rows = channel_status.dashboard_rows(session, toolchains)
+    return html.channels_table(rows) if rows else ""
 
 
 def _summary(request: Request) -> dict[str, Any]:

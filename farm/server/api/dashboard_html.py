@@ -159,6 +159,28 @@ def workers_table(workers: Iterable, live: set[str]) -> str:
     return _table(headers, rows, "no live workers")
 
 
+def channels_table(channels: Iterable[Mapping[str, Any]]) -> str:
+    """Per channel: its rollout, its edges, and per OpenVINO release the farm's workers
+    compile with, its entries built for it (prebuilt before the fleet upgrades)."""
+    rows = (
+        [
+            _td(c["channel"]),
+            _td(c["stable_revision"]),
+            _td(
+                ""
+                if c["candidate_revision"] is None
+                else f"{c['candidate_revision']} on {c['percent']} %"
+            ),
+            _td(c["edges"], num=True),
+            _td(c["failing"], num=True),
+            _td(", ".join(f"{r}: {n}/{of}" for r, (n, of) in sorted(c["built"].items()))),
+        ]
+        for c in channels
+    )
+    headers = ("channel", "stable", "rolling out", "edges", "failing", "built per OpenVINO")
+    return _table(headers, rows, "no channels")
+
+
 def _filters(filters: Mapping[str, str], limit: int, all_workers: bool) -> str:
     options = "".join(
         f'<option value="{s}"{" selected" if filters["state"] == s else ""}>{s or "any"}</option>'
@@ -187,6 +209,7 @@ def dashboard(
     jobs: str,
     blobs: str,
     workers: str,
+    channels: str = "",
 ) -> str:
     states = summary["states"]
     blob_count, blob_bytes = summary["blobs"]
@@ -206,5 +229,6 @@ def dashboard(
         '<button type="submit">Sign out</button></form></header>'
         f'<div class="cards">{cards}</div>'
         f"{_filters(filters, limit, all_workers)}"
-        f"<h2>Jobs</h2>{jobs}<h2>Blobs</h2>{blobs}<h2>Workers</h2>{workers}",
+        f"<h2>Jobs</h2>{jobs}<h2>Blobs</h2>{blobs}<h2>Workers</h2>{workers}"
+        + (f"<h2>Channels</h2>{channels}" if channels else ""),
     )

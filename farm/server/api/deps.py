@@ -90,6 +90,8 @@ PullCaller = Annotated[Caller, Depends(caller_with("pull"))]
 """A caller with at least the `pull` role (edges: resolve, download, report)."""
 SubmitCaller = Annotated[Caller, Depends(caller_with("submit"))]
 """A caller with at least the `submit` role."""
+ReleaseCaller = Annotated[Caller, Depends(caller_with("release"))]
+"""A caller who may move channels: the `release` role, or `admin`."""
 AdminCaller = Annotated[Caller, Depends(caller_with("admin"))]
 """A caller with the `admin` role (quarantine and release blobs)."""
 

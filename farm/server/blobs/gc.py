@@ -40,7 +40,9 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.errors import StorageError
+from farm.core.hashing import canonical_json
 from farm.core.vocabulary import ACTIVE_STATES
+from farm.server.channels.service import kept_by_channels
 from farm.server.db.models import Blob, BlobDeletion, Job, Model, Pull, UTCDateTime
 from farm.server.storage import BlobStore, ListsObjects, model_storage_key
 
@@ -150,8 +152,11 @@ def candidates(
     that walks the blobs' primary key from where the last stopped, so memory and a query's
     cost stay the same however many there are."""
     cutoff = (at or now()) - timedelta(days=unpulled_days)
+    kept = kept_by_channels(session)
     query = (
         select(
+            Blob.model_id,
+            Blob.spec,
             Blob.id,
             Blob.cache_key,
             Blob.target,
@@ -168,11 +173,13 @@ def candidates(
         batch = query.where(Blob.id > after, _unused_since(cutoff, after))
         rows = session.execute(batch).all()
         session.rollback()  # no snapshot or lock held between batches
-        for blob_id, cache_key, target, size, created_at, last, pulls in rows:
+        for model_id, spec, blob_id, cache_key, target, size, created_at, last, pulls in rows:
+            if (model_id, target, canonical_json(spec)) in kept:
+                continue  # a revision a channel runs or may roll back to names it
             yield Candidate(cache_key, target, size, created_at, last, pulls or 0, blob_id)
         if len(rows) < batch_size:
             return
-        after = rows[-1][0]
+        after = rows[-1][2]
 
 
 def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]:

@@ -433,7 +433,7 @@ class ApiToken(Base):
     __tablename__ = "api_tokens"
     __table_args__ = (
         *sha256_checks("token_sha256"),
-        CheckConstraint("role IN ('pull', 'submit', 'admin')", name="role"),
+        CheckConstraint("role IN ('pull', 'submit', 'release', 'admin')", name="role"),
         {
             "comment": "Bearer tokens of the HTTP API. Only their sha256 is stored. Inserted by "
             "`farm token create`; last_used_at updated at most once a minute; revoked_at set "
@@ -446,7 +446,9 @@ class ApiToken(Base):
         String(128), unique=True, comment="Who holds it ('edge-042', 'ci'); recorded as submitter."
     )
     role: Mapped[str] = mapped_column(
-        String(16), comment="'pull' (resolve, download, report), 'submit' (+ jobs), 'admin' (all)."
+        String(16),
+        comment="'pull' (resolve, download, report), 'submit' (+ jobs), 'release' (+ move "
+        "channels), 'admin' (all).",
     )
     token_sha256: Mapped[str] = mapped_column(
         String(64), unique=True, comment="sha256 of the token; the token itself is never stored."
@@ -551,3 +553,138 @@ class DashboardSession(Base):
         comment="Refused from then on, UTC (FARM_DASHBOARD_SESSION_SECONDS, or the token's "
         "expiry if sooner)."
     )
+
+
+class Channel(Base):
+    __tablename__ = "channels"
+    __table_args__ = (
+        CheckConstraint("percent BETWEEN 0 AND 100", name="percent"),
+        {
+            "comment": "A release channel: what a fleet runs (docs/architecture.md §16). Inserted "
+            "by `farm channel create`; its rollout columns and signed document change with "
+            "each move (set, promote, rollback, recorded in channel_moves); never deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    name: Mapped[str] = mapped_column(String(63), unique=True, comment="The channel's name.")
+    created_by: Mapped[str] = mapped_column(Text, comment="Who created it (token or operator).")
+    created_at: Mapped[datetime] = mapped_column(comment="Created, UTC.")
+    sequence: Mapped[int] = mapped_column(
+        Integer,
+        comment="Sequence of the current signed document; grows by one with every move. Edges "
+        "refuse a document older than one they accepted.",
+    )
+    stable_revision: Mapped[int | None] = mapped_column(
+        Integer, comment="The revision every edge runs (outside a stage); null: none yet."
+    )
+    candidate_revision: Mapped[int | None] = mapped_column(
+        Integer, comment="The revision being rolled out to `percent` % of edges; null: none."
+    )
+    percent: Mapped[int] = mapped_column(
+        Integer, comment="Share of edges (by a hash of their agent id) that run the candidate."
+    )
+    previous_revisions: Mapped[list[Any]] = mapped_column(
+        JSON,
+        comment="Earlier stable revisions, oldest first: where `farm channel rollback` returns "
+        "to; kept from gc.",
+    )
+    document: Mapped[dict[str, Any]] = mapped_column(
+        comment="The signed channel document edges act on (farm/core/channels.py)."
+    )
+    signature: Mapped[str | None] = mapped_column(
+        Text, comment="Ed25519 signature (base64) of the document; null: unsigned farm."
+    )
+    signing_key_id: Mapped[str | None] = mapped_column(String(16), comment="Which key signed it.")
+    updated_at: Mapped[datetime] = mapped_column(comment="Last move, UTC.")
+
+
+class ChannelRevision(Base):
+    __tablename__ = "channel_revisions"
+    __table_args__ = (
+        Index("uq_channel_revisions_channel_number", "channel_id", "number", unique=True),
+        {
+            "comment": "One revision of a channel: the models and specs it runs. Inserted by "
+            "`farm channel set`; never updated or deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    channel_id: Mapped[int] = mapped_column(ForeignKey("channels.id"), comment="Its channel.")
+    number: Mapped[int] = mapped_column(Integer, comment="Revision number, from 1, per channel.")
+    entries: Mapped[list[Any]] = mapped_column(
+        JSON,
+        comment="The models it runs: per entry a name, the model's file digests, the target "
+        "and the canonical compile spec.",
+    )
+    created_by: Mapped[str] = mapped_column(Text, comment="Who made it.")
+    created_at: Mapped[datetime] = mapped_column(comment="Made, UTC.")
+
+
+class ChannelMove(Base):
+    __tablename__ = "channel_moves"
+    __table_args__ = (
+        CheckConstraint("action IN ('create', 'set', 'promote', 'rollback')", name="action"),
+        Index("ix_channel_moves_channel_id_id", "channel_id", "id"),
+        {
+            "comment": "The audit of every move of a channel: who, when, what, and whether a gate "
+            "was forced. Inserted with each move; never updated or deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    channel_id: Mapped[int] = mapped_column(ForeignKey("channels.id"), comment="Its channel.")
+    sequence: Mapped[int] = mapped_column(Integer, comment="Document sequence after the move.")
+    action: Mapped[str] = mapped_column(
+        String(16), comment="'create', 'set', 'promote' or 'rollback'."
+    )
+    revision: Mapped[int | None] = mapped_column(
+        Integer, comment="The revision made, promoted or returned to."
+    )
+    percent: Mapped[int | None] = mapped_column(Integer, comment="Promote: the share, percent.")
+    stable_revision: Mapped[int | None] = mapped_column(Integer, comment="Stable after the move.")
+    candidate_revision: Mapped[int | None] = mapped_column(
+        Integer, comment="Candidate after the move."
+    )
+    forced: Mapped[bool] = mapped_column(
+        Boolean, comment="An admin forced it past the verification gates."
+    )
+    gate_report: Mapped[str | None] = mapped_column(
+        Text, comment="What the gates refused (the reasons a forced move overrode)."
+    )
+    actor: Mapped[str] = mapped_column(Text, comment="Who moved it (token or operator).")
+    created_at: Mapped[datetime] = mapped_column(comment="When, UTC.")
+
+
+class ChannelEdge(Base):
+    __tablename__ = "channel_edges"
+    __table_args__ = (
+        {
+            "comment": "What each edge following a channel runs, as it last reported. Upserted "
+            "per report (one row per channel and agent); never deleted."
+        },
+    )
+
+    channel_id: Mapped[int] = mapped_column(
+        ForeignKey("channels.id"), primary_key=True, comment="The channel it follows."
+    )
+    agent_id: Mapped[str] = mapped_column(String(255), primary_key=True, comment="The edge agent.")
+    revision: Mapped[int | None] = mapped_column(
+        Integer, comment="The revision it runs; null: none yet."
+    )
+    sequence: Mapped[int | None] = mapped_column(
+        Integer, comment="The highest document sequence it accepted."
+    )
+    openvino: Mapped[str | None] = mapped_column(String(64), comment="Its OpenVINO release.")
+    runtime_requirements: Mapped[str | None] = mapped_column(
+        Text, comment="Its CPU runtime requirements string (null: no CPU entry)."
+    )
+    targets: Mapped[list[Any]] = mapped_column(JSON, comment="The targets of its entries.")
+    ok: Mapped[bool] = mapped_column(Boolean, comment="Its last switch (or check) succeeded.")
+    error: Mapped[str | None] = mapped_column(
+        Text, comment="Why its last switch failed (it stays on `revision`); null when ok."
+    )
+    wanted_revision: Mapped[int | None] = mapped_column(
+        Integer, comment="The revision the document chose for it at its last sync."
+    )
+    reported_at: Mapped[datetime] = mapped_column(comment="Last report, UTC.")
