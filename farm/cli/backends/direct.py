@@ -29,6 +29,7 @@ from farm.server import doctor, pagination, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
+from farm.server.blobs.signatures import signed_status
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
@@ -171,7 +172,9 @@ class Direct:
     def resolve(self, cache_key: str) -> dict[str, Any] | None:
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
-            return blob_dict(blob) if blob else None
+            if blob is None:
+                return None
+            return {**blob_dict(blob), "status": signed_status(blob, self.farm.status_signer)}
 
     def cache_keys(self, prefix: str) -> list[str]:
         with self._session() as session:
