@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     """Edges: import blobs without checking signatures (development only)."""
     status_key: Path | None = None
     """The API (and an operator's direct CLI): Ed25519 private key (PEM) that signs blob
-    statuses, with its certificate beside it (``<path>.cert``, `farm keys create --status`).
+    statuses, with its certificate beside it (``<path>.cert``, `farm keys create-status`).
     Unset: statuses are signed with FARM_SIGNING_KEY where this host holds it (the embedded
     farm), else not at all, and edges of this version refuse every blob."""
     status_lifetime_seconds: int = Field(3600, ge=60, le=366 * 86400)

@@ -475,7 +475,7 @@ def public_key_path(private_path: Path) -> Path:
 
 
 def certificate_path(private_path: Path) -> Path:
-    """Where a status key's certificate lives: beside the key (`farm keys create --status`)."""
+    """Where a status key's certificate lives: beside the key (`farm keys create-status`)."""
     return private_path.with_name(private_path.name + ".cert")
 
 
@@ -515,7 +515,7 @@ class StatusSigner:
         except (OSError, ValueError) as error:
             raise KeyFileError(
                 f"{path}: no readable certificate for the status key {private_path} ({error}); "
-                "make one with `farm keys create --status PATH` on a host with FARM_SIGNING_KEY"
+                "make one with `farm keys create-status PATH` on a host with FARM_SIGNING_KEY"
             ) from None
         if not isinstance(certificate, dict) or certificate.get("key_id") != signer.key_id:
             raise KeyFileError(f"{path} is not the certificate of the status key {private_path}")

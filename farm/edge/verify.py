@@ -237,7 +237,8 @@ def verify_once(
     The report is kept in the cache, keyed by the blob's bytes, the device's full name, its
     driver and this machine's OpenVINO: a driver or OpenVINO update verifies again. A failure
     is kept too: an admin who releases a blob this device failed is not overruled on the next
-    pass (the farm has the failed report)."""
+    pass (the farm has the failed report). An error (the verification could not judge the blob:
+    out of memory...) is not kept: the next pass tries again."""
     record = agent.resolve(cache_key)
     if not record.get("reference_sha256"):
         return None
@@ -250,8 +251,9 @@ def verify_once(
                 return kept
     result = verify_blob(agent, cache_key, target_device, weights=weights, record=record)
     outcome = result.report()
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps(outcome))
+    if result.error is None:  # an error (out of memory...) is tried again on the next pass
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(outcome))
     return outcome
 
 

@@ -116,12 +116,15 @@ def require(session: Session, cache_key: str) -> Blob:
     return blob
 
 
-def cache_keys_starting_with(session: Session, prefix: str, limit: int) -> list[str]:
-    """Up to `limit` distinct cache keys of blobs and jobs that start with `prefix` (lower-case
-    hex, `farm.core.keyprefix`), in order: what a unique key prefix is resolved against."""
+def cache_keys_starting_with(
+    session: Session, prefix: str, limit: int, jobs: bool = True
+) -> list[str]:
+    """Up to `limit` distinct cache keys of blobs (and of jobs, unless `jobs` is False: what a
+    pull token may see) that start with `prefix` (lower-case hex, `farm.core.keyprefix`), in
+    order: what a unique key prefix is resolved against."""
     upper = keyprefix.upper_bound(prefix)
     found: set[str] = set()
-    for column in (Blob.cache_key, Job.cache_key):
+    for column in (Blob.cache_key, Job.cache_key) if jobs else (Blob.cache_key,):
         query = (
             select(column)
             .where(column >= prefix, column < upper)

@@ -1,0 +1,152 @@
+"""The signed blob status: what an edge acts on to refuse a quarantined blob, and to refuse an
+old answer replayed (docs/architecture.md §14). A stripped, stale, misbound or uncertified
+status is refused; a status key certified by a blob signing key signs statuses, never
+manifests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from farm.core.errors import BlobQuarantined, SignatureError
+from farm.core.filecache import BlobCache
+from farm.core.signing import (
+    STATUS_CLOCK_SKEW_SECONDS,
+    Manifest,
+    Signer,
+    StatusSigner,
+    TrustedKeys,
+)
+from farm.core.spec import Toolchain
+from farm.edge.agent import EdgeAgent
+
+KEY, SHA = "a" * 64, "1" * 64
+NOW = 1_790_000_000.0
+TOOLCHAIN = Toolchain("2026.4.1", runtime_requirements="rr")
+
+
+def _signer(seed: int) -> Signer:
+    return Signer(Ed25519PrivateKey.from_private_bytes(bytes([seed]) * 32))
+
+
+FARM, STATUS_KEY, STRANGER = _signer(1), _signer(2), _signer(3)
+TRUST = TrustedKeys({FARM.key_id: FARM.public_key})
+
+
+def record(quarantined: bool = False, status_signer: StatusSigner | None = None, at=NOW):
+    fields = {
+        "cache_key": KEY,
+        "sha256": SHA,
+        "size_bytes": 10,
+        "payload_offset": 0,
+        "target": "CPU",
+        "toolchain": TOOLCHAIN.as_dict(),
+        "weightless": False,
+        "model": {"xml": "2" * 64},
+    }
+    manifest = Manifest.from_record(fields)
+    signer = status_signer or StatusSigner(FARM, 3600)
+    return {
+        **fields,
+        "signing_key_id": FARM.key_id,
+        "manifest_signature": FARM.sign_manifest(manifest),
+        "quarantined_at": "2026-11-24T20:00:00" if quarantined else None,
+        "quarantine_reason": "bad numbers" if quarantined else None,
+        "status": signer.signed(KEY, SHA, quarantined, at),
+    }
+
+
+def manifest_of(blob) -> Manifest:
+    return Manifest.from_record(blob)
+
+
+def test_a_current_status_signed_by_the_farm_is_read():
+    blob = record(quarantined=True)
+    status = TRUST.verify_status(blob, manifest_of(blob), NOW + 60)
+    assert (status.state, status.signed_at, status.expires_at) == (
+        "quarantined",
+        int(NOW),
+        int(NOW) + 3600,
+    )
+
+
+def test_a_stripped_status_is_refused_not_read_as_ok():
+    blob = record(quarantined=True)
+    stripped = {k: v for k, v in blob.items() if k not in ("status", "quarantined_at")}
+    with pytest.raises(SignatureError, match="carries no signed status"):
+        TRUST.verify_status(stripped, manifest_of(blob), NOW)
+
+
+def test_a_status_rewritten_to_ok_fails_its_signature():
+    blob = record(quarantined=True)
+    blob["status"]["document"] = {**blob["status"]["document"], "state": "ok"}
+    with pytest.raises(SignatureError, match="invalid signature"):
+        TRUST.verify_status(blob, manifest_of(blob), NOW)
+
+
+def test_an_expired_or_future_status_is_refused():
+    blob = record()
+    with pytest.raises(SignatureError, match="expired"):
+        TRUST.verify_status(blob, manifest_of(blob), NOW + 3600)
+    with pytest.raises(SignatureError, match="in the future"):
+        TRUST.verify_status(blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS - 1)
+    TRUST.verify_status(blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS)
+
+
+def test_a_status_of_other_bytes_is_refused():
+    other = StatusSigner(FARM, 3600).signed(KEY, "9" * 64, False, NOW)
+    blob = {**record(), "status": other}
+    with pytest.raises(SignatureError, match="about another blob"):
+        TRUST.verify_status(blob, manifest_of(blob), NOW)
+
+
+def test_a_certified_status_key_signs_statuses_and_nothing_else():
+    certified = StatusSigner(STATUS_KEY, 3600, FARM.certify_status_key(STATUS_KEY.public_key))
+    blob = record(status_signer=certified)
+    assert TRUST.verify_status(blob, manifest_of(blob), NOW).state == "ok"
+    # The certificate does not make the status key a manifest key.
+    with pytest.raises(SignatureError, match="does not trust"):
+        TRUST.verify_manifest(
+            manifest_of(blob), STATUS_KEY.key_id, STATUS_KEY.sign_manifest(manifest_of(blob))
+        )
+
+
+@pytest.mark.parametrize("forgery", ["uncertified", "self-certified", "other key's"])
+def test_a_status_key_without_a_trusted_certificate_is_refused(forgery):
+    certificate = {
+        "uncertified": None,
+        "self-certified": STRANGER.certify_status_key(STRANGER.public_key),
+        "other key's": FARM.certify_status_key(STATUS_KEY.public_key),
+    }[forgery]
+    blob = record(status_signer=StatusSigner(STRANGER, 3600, certificate))
+    with pytest.raises(SignatureError):
+        TRUST.verify_status(blob, manifest_of(blob), NOW)
+
+
+def _agent(tmp_path: Path, trust: TrustedKeys | None) -> EdgeAgent:
+    cache = BlobCache(tmp_path / "blobs", 2**30)
+    return EdgeAgent(None, cache, trust, "edge-1", toolchain=lambda _: TOOLCHAIN)  # type: ignore[arg-type]
+
+
+def test_the_edge_acts_on_the_signed_state_never_on_the_unsigned_field(tmp_path, monkeypatch):
+    import farm.edge.agent as agent_module
+
+    monkeypatch.setattr(agent_module.time, "time", lambda: NOW + 1)
+    agent = _agent(tmp_path, TRUST)
+    quarantined = record(quarantined=True)
+    proxied = {**quarantined, "quarantined_at": None, "quarantine_reason": None}
+    with pytest.raises(BlobQuarantined):
+        agent.check(proxied, KEY)
+    with pytest.raises(SignatureError, match="no signed status"):
+        agent.check({k: v for k, v in proxied.items() if k != "status"}, KEY)
+    agent.check(record(), KEY)  # ok, and released blobs pass
+    agent.allow_quarantined = True
+    agent.check(proxied, KEY)
+
+
+def test_an_edge_that_checks_no_signatures_reads_the_field(tmp_path):
+    agent = _agent(tmp_path, None)
+    with pytest.raises(BlobQuarantined, match="bad numbers"):
+        agent.check({**record(quarantined=True), "status": None}, KEY)
