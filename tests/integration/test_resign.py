@@ -137,12 +137,12 @@ def test_resign_signs_only_what_it_can_show_is_genuine(edge_farm, tmp_path):  # 
     assert ok_json(new_edge, "pull", key, "--import")["downloaded"] is True
 
 
-def _api_signs_statuses_with(edge_farm, key) -> None:
+def _api_signs_statuses_with(farm, key) -> None:
     """Restart the farm's API on the new key: it signs blob statuses with FARM_SIGNING_KEY
-    (SECURITY.md, key rotation), and edges that trust only the new key need statuses it signed."""
-    edge_farm.api.stop()
-    edge_farm.api.env = {**edge_farm.api.env, "FARM_SIGNING_KEY": str(key)}
-    edge_farm.api.start()
+    (SECURITY.md, key rotation); edges that trust only the new key need statuses it signed."""
+    farm.api.stop()
+    farm.api.env = {**farm.api.env, "FARM_SIGNING_KEY": str(key)}
+    farm.api.start()
 
 
 @pytest.mark.postgres

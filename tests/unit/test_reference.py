@@ -293,3 +293,34 @@ def test_scalar_inputs_stay_0_d_through_seeding_and_the_file():
     for name, value in {**made, **outputs}.items():
         got = {**loaded.inputs, **loaded.outputs}[name]
         assert got.shape == np.shape(value) and got.dtype == np.asarray(value).dtype
+
+
+def test_reference_inputs_meet_the_blob_s_inputs_by_name_with_their_exact_shapes():
+    """A 0-d input takes a 0-d array; a (1,)-shaped one (what np.ascontiguousarray makes of a
+    scalar) or a missing input is the harness's error, never the blob's failure."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from farm.edge.verify import HarnessError, _by_port
+
+    frames = ops.parameter([1, 4], ov.Type.f32, name="input")
+    rate = ops.parameter([], ov.Type.i64, name="sr")
+    mixed = ops.add(frames, ops.convert(rate, ov.Type.f32))
+    compiled = ov.Core().compile_model(ov.Model([mixed], [frames, rate]), "CPU")
+    audio = np.ones((1, 4), np.float32)
+    ordered = _by_port(compiled, {"sr": np.asarray(np.int64(16000)), "input": audio})
+    assert [a.shape for a in ordered] == [(1, 4), ()]
+    with pytest.raises(HarnessError, match=r"'sr' has shape \[1\]; the blob's input takes \[\]"):
+        _by_port(compiled, {"input": audio, "sr": np.array([16000], np.int64)})
+    with pytest.raises(HarnessError, match="the reference has 1 inputs"):
+        _by_port(compiled, {"input": audio})
+
+
+def test_an_inputs_file_keeps_0_d_arrays(tmp_path):
+    from farm.core.reference import load_inputs
+
+    path = tmp_path / "inputs.npz"
+    np.savez(path, sr=np.int64(16000), state=np.zeros((2, 1, 128), np.float32))
+    loaded = load_inputs(path)
+    assert loaded["sr"].shape == () and loaded["sr"].dtype == np.int64
+    assert loaded["state"].shape == (2, 1, 128)

@@ -150,3 +150,39 @@ def test_an_edge_that_checks_no_signatures_reads_the_field(tmp_path):
     agent = _agent(tmp_path, None)
     with pytest.raises(BlobQuarantined, match="bad numbers"):
         agent.check({**record(quarantined=True), "status": None}, KEY)
+
+
+class _FailingAgent:
+    """An agent whose import fails the way OpenVINO fails: a RuntimeError under the farm error
+    the importer makes of it."""
+
+    def __init__(self, said: str) -> None:
+        self.said = said
+
+    def load(self, *args, **kwargs):
+        from farm.core.errors import BlobFormatError
+
+        try:
+            raise RuntimeError(f"Exception from src/plugin.cpp:42:\n{self.said}")
+        except RuntimeError as error:
+            raise BlobFormatError("neither an exported blob nor a cache entry") from error
+
+
+@pytest.mark.parametrize(
+    ("said", "cause"),
+    [
+        ("std::bad_alloc", "out of memory"),
+        ("Cannot load library 'libze_loader.so.1'", "a library of the NPU plugin is missing"),
+        ("unexpected token", "OpenVINO refused it"),
+    ],
+)
+def test_an_import_that_fails_here_is_an_error_naming_its_cause(said, cause):
+    """Not "neither an exported blob nor a cache entry": the bytes are the signed ones."""
+    from farm.edge.verify import HarnessError, _import
+
+    with pytest.raises(HarnessError) as raised:
+        _import(_FailingAgent(said), KEY, "NPU", None, {})  # type: ignore[arg-type]
+    summary = str(raised.value)
+    assert summary.startswith(f"could not import the blob on NPU: {cause}")
+    assert "\n" not in summary and "neither an exported blob" not in summary
+    assert said in raised.value.detail
