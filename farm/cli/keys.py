@@ -66,9 +66,10 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
 
 @keys.command("create-status")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--if-missing", is_flag=True, help="Keep an existing status key and certificate.")
 @json_option
 @handle_errors
-def keys_create_status(path: Path, as_json: bool) -> None:
+def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
     """Create the API's status key PATH and its certificate PATH.cert, signed by this host's
     FARM_SIGNING_KEY: the API signs blob statuses with it (FARM_STATUS_KEY=PATH) without
     holding the blob signing key. Edges need nothing new: the certificate travels with each
@@ -83,9 +84,12 @@ def keys_create_status(path: Path, as_json: bool) -> None:
     try:
         _, key_id = create_key_pair(path)
     except FileExistsError:
-        raise KeyFileError(f"{path} exists; keys are never overwritten") from None
-    certificate = certifier.certify_status_key(Signer.from_file(path).public_key)
-    certificate_path(path).write_text(json.dumps(certificate, indent=2))
+        if not if_missing:
+            raise KeyFileError(f"{path} exists; keys are never overwritten") from None
+        key_id = Signer.from_file(path).key_id
+    if not (if_missing and certificate_path(path).exists()):
+        certificate = certifier.certify_status_key(Signer.from_file(path).public_key)
+        certificate_path(path).write_text(json.dumps(certificate, indent=2))
     data = {
         "status_key": str(path),
         "certificate": str(certificate_path(path)),

@@ -435,3 +435,27 @@ def test_a_pull_token_resolves_a_key_prefix_on_the_edge(lab, tmp_path):
     assert listed.json() == {"cache_keys": [key]}
     short = run_farm(edge_env, "pull", key[:7])
     assert short.returncode == 2 and "too short" in short.stderr
+
+
+def test_an_api_with_a_certified_status_key_of_its_own_is_trusted_by_edges(lab, tmp_path):
+    """`farm keys create-status` where the signing key is, FARM_STATUS_KEY on the API: edges
+    that trust only the signing key accept its statuses, through the certificate."""
+    home, farm_env, edge_env, _ = lab
+    key = submit(farm_env, models.save_ir(models.conv_net(seed=14), tmp_path / "s" / "s.xml"))
+    status_key = tmp_path / "api-keys" / "status.pem"
+    made = ok_json(farm_env, "keys", "create-status", str(status_key))
+    assert made["certified_by"] == Signer.from_file(home / "keys" / "signing.pem").key_id
+    again = ok_json(farm_env, "keys", "create-status", str(status_key), "--if-missing")
+    assert again["key_id"] == made["key_id"]
+    api = ApiServer({**farm_env, "FARM_STATUS_KEY": str(status_key)}, tmp_path / "a2.log")
+    api.start()
+    try:
+        edge = {**edge_env, "FARM_API_URL": api.url}
+        headers = {"Authorization": f"Bearer {edge_env['FARM_TOKEN']}"}
+        status = httpx.get(f"{api.url}/v1/blobs/{key}", headers=headers).json()["status"]
+        assert status["signing_key_id"] == made["key_id"]
+        assert status["certificate"]["signer_id"] == made["certified_by"]
+        assert status["document"]["expires_at"] - status["document"]["signed_at"] == 3600
+        assert ok_json(edge, "pull", key)["cache_key"] == key
+    finally:
+        api.stop()
