@@ -388,3 +388,21 @@ def test_gc_deletes_a_blobs_reference_object_with_it(embedded_farm, tmp_path):
     assert report.blob_count == 1 and deletion.state == "deleted"
     assert deletion.reference_storage_key == reference_storage_key(key(1), "e" * 64)
     assert not embedded_farm.store.exists(reference_storage_key(key(1), "e" * 64))
+
+
+def test_a_pull_token_s_key_prefixes_see_blobs_only(embedded_farm):
+    """What a pull token's `GET /v1/cache-keys` is answered from: the keys of blobs, never of
+    jobs (a pull token cannot read jobs by their full key either)."""
+    from farm.server.blobs.service import cache_keys_starting_with
+    from tests.unit.conftest import add_job
+
+    model = add_model(embedded_farm)
+    add_blob(embedded_farm, model, key(1))
+    add_job(embedded_farm, model, 2)
+    with embedded_farm.session() as session:
+        for n in (1, 2):
+            prefix = key(n)[:8]
+            everything = cache_keys_starting_with(session, prefix, 6)
+            blobs_only = cache_keys_starting_with(session, prefix, 6, jobs=False)
+            assert everything == [key(n)]
+            assert blobs_only == ([key(1)] if n == 1 else [])
