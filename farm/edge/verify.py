@@ -28,15 +28,7 @@ import numpy as np
 import openvino as ov
 
 from farm.core import hashing
-from farm.core.errors import (
-    BlobNotAvailable,
-    BlobQuarantined,
-    Incompatible,
-    IntegrityMismatch,
-    ModelFileError,
-    NotFound,
-    SignatureError,
-)
+from farm.core.errors import BlobNotAvailable, FarmError, Incompatible, IntegrityMismatch
 from farm.core.reference import (
     Reference,
     Tolerance,
@@ -208,24 +200,27 @@ def _import(agent: EdgeAgent, cache_key: str, device: str, weights, record):
     """`agent.load`, whose failures to import a blob whose bytes are the signed ones are the
     machine's, named (HarnessError): out of memory, a missing device library, or OpenVINO's
     last line."""
+    raw: BaseException
     try:
         return agent.load(cache_key, device, weights, blob=record, report=False)
-    except (SignatureError, BlobQuarantined, IntegrityMismatch, ModelFileError, NotFound):
-        raise  # a refusal of the record, or a weightless blob without its .bin
-    except Exception as error:
-        raw = error.__cause__ if isinstance(error.__cause__, Exception) else error
-        text = f"{type(raw).__name__}: {raw}"
-        lowered = text.lower()
-        if isinstance(raw, MemoryError) or any(s in lowered for s in _OUT_OF_MEMORY):
-            cause = "out of memory"
-        elif any(sign in lowered for sign in _MISSING_LIBRARY):
-            cause = f"a library of the {device} plugin is missing or cannot be loaded"
-        else:
-            cause = "OpenVINO refused it"
-        said = last_line(raw)
-        raise HarnessError(
-            f"could not import the blob on {device}: {cause} ({said})", text
-        ) from None
+    except FarmError as error:
+        # What OpenVINO raised is its cause (`importer.import_failure`); any other farm error
+        # (a refusal of the record, the network, the disk) is not the import's.
+        if not isinstance(error.__cause__, (RuntimeError, MemoryError)):
+            raise
+        raw = error.__cause__
+    except (RuntimeError, MemoryError) as error:
+        raw = error
+    text = f"{type(raw).__name__}: {raw}"
+    lowered = text.lower()
+    if isinstance(raw, MemoryError) or any(sign in lowered for sign in _OUT_OF_MEMORY):
+        cause = "out of memory"
+    elif any(sign in lowered for sign in _MISSING_LIBRARY):
+        cause = f"a library of the {device} plugin is missing or cannot be loaded"
+    else:
+        cause = "OpenVINO refused it"
+    said = last_line(raw) if isinstance(raw, Exception) else text
+    raise HarnessError(f"could not import the blob on {device}: {cause} ({said})", text)
 
 
 def verify_once(
