@@ -137,15 +137,19 @@ class EdgeAgent:
         agent_id: str | None = None,
         toolchain: Callable[[Target], Toolchain] | None = None,
         allow_quarantined: bool = False,
+        status_required: bool = True,
     ) -> None:
         """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs.
-        `allow_quarantined`: import blobs the farm quarantined (a failed verification) too."""
+        `allow_quarantined`: import blobs the farm quarantined (a failed verification) too.
+        `status_required`: False only for a source that reads the farm's database itself (an
+        operator's direct CLI), whose unsigned quarantine field is the database's own word."""
         self.source = source
         self.cache = cache
         self.trust = trust
         self.agent_id = agent_id or default_agent_id()
         self.toolchain = toolchain or host_toolchain
         self.allow_quarantined = allow_quarantined
+        self.status_required = status_required
 
     def resolve(self, cache_key: str) -> dict:
         blob = self.source.resolve(cache_key)
@@ -189,7 +193,7 @@ class EdgeAgent:
         """Whether the farm quarantined the blob: by its signed, current status (SignatureError
         when there is none, or it is stale or of another blob) on an edge that checks
         signatures; by the record's unsigned `quarantined_at` on one that does not."""
-        if self.trust is None:
+        if self.trust is None or (blob.get("status") is None and not self.status_required):
             return bool(blob.get("quarantined_at"))
         status = self.trust.verify_status(blob, manifest, time.time())
         return status.state == "quarantined"

@@ -186,3 +186,23 @@ def test_an_import_that_fails_here_is_an_error_naming_its_cause(said, cause):
     assert summary.startswith(f"could not import the blob on NPU: {cause}")
     assert "\n" not in summary and "neither an exported blob" not in summary
     assert said in raised.value.detail
+
+
+def test_only_a_source_that_reads_the_database_goes_without_a_signed_status(tmp_path):
+    from farm.core.config import Settings
+    from farm.edge import agent_from_settings
+
+    class Database:
+        reads_database = True
+
+    class Api:
+        pass
+
+    settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache", allow_unsigned=True)
+    assert agent_from_settings(settings, Database()).status_required is False
+    assert agent_from_settings(settings, Api()).status_required is True
+    agent = _agent(tmp_path, TRUST)
+    agent.status_required = False
+    unsigned = {**record(quarantined=True), "status": None}
+    with pytest.raises(BlobQuarantined, match="bad numbers"):
+        agent.check(unsigned, KEY)

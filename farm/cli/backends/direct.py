@@ -52,6 +52,10 @@ from farm.server.views import (
 class Direct:
     """Embedded (compiles here, now) or served without the API (queues for workers)."""
 
+    reads_database = True
+    """An edge agent on this source reads quarantines from the database itself: it needs no
+    signed status (`farm.edge.agent_from_settings`)."""
+
     def __init__(self, farm: FarmContext) -> None:
         self.farm = farm
 
