@@ -20,13 +20,8 @@ from farm.cli.common import (
 )
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
-from farm.core.signing import (
-    Signer,
-    TrustedKeys,
-    certificate_path,
-    create_key_pair,
-    public_key_path,
-)
+from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
+from farm.core.status import certificate_path, certify_status_key
 
 
 @main.group()
@@ -88,7 +83,7 @@ def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
             raise KeyFileError(f"{path} exists; keys are never overwritten") from None
         key_id = Signer.from_file(path).key_id
     if not (if_missing and certificate_path(path).exists()):
-        certificate = certifier.certify_status_key(Signer.from_file(path).public_key)
+        certificate = certify_status_key(certifier, Signer.from_file(path).public_key)
         certificate_path(path).write_text(json.dumps(certificate, indent=2))
     data = {
         "status_key": str(path),

@@ -37,6 +37,7 @@ from farm.core.errors import (
 from farm.core.filecache import BlobCache
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
+from farm.core.status import verify_status
 from farm.edge.importer import import_blob, import_failure
 from farm.toolchain import host_toolchain
 
@@ -195,7 +196,7 @@ class EdgeAgent:
         signatures; by the record's unsigned `quarantined_at` on one that does not."""
         if self.trust is None or (blob.get("status") is None and not self.status_required):
             return bool(blob.get("quarantined_at"))
-        status = self.trust.verify_status(blob, manifest, time.time())
+        status = verify_status(self.trust, blob, manifest, time.time())
         return status.state == "quarantined"
 
     def fetch(self, cache_key: str, progress: Progress = None, blob: dict | None = None) -> Fetched:

@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from farm.core.config import Settings, get_settings
 from farm.core.errors import DatabaseUnavailable
 from farm.core.filecache import BlobCache
-from farm.core.signing import Signer, StatusSigner, load_signer
+from farm.core.signing import Signer, load_signer
+from farm.core.status import StatusSigner
 from farm.core.text import mask_url
 from farm.server.db.models import Job
 from farm.server.db.session import (

@@ -413,7 +413,7 @@ def _status_signed(home: Path, key: str, signed_ago: int) -> dict:
     """The status the farm's key signed `signed_ago` seconds ago, with the default lifetime."""
     import time
 
-    from farm.core.signing import StatusSigner
+    from farm.core.status import StatusSigner
 
     ((sha,),) = sql(home, "SELECT sha256 FROM blobs WHERE cache_key = ?", key)
     signer = StatusSigner(Signer.from_file(home / "keys" / "signing.pem"), 3600)

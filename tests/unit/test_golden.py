@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from farm.core import blobformat, hashing, signing
+from farm.core import blobformat, hashing, signing, status
 from farm.core.errors import BlobFormatError, SignatureError
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import Manifest, Signer, TrustedKeys
@@ -243,7 +243,7 @@ def test_the_reference_signature(signer):
     TrustedKeys({GOLDEN_KEY_ID: signer.public_key}).verify_reference(record)
 
 
-STATUS = signing.BlobStatus(CACHE_KEY, SHA256, "quarantined", 1_790_000_000, 1_790_003_600)
+STATUS = status.BlobStatus(CACHE_KEY, SHA256, "quarantined", 1_790_000_000, 1_790_003_600)
 GOLDEN_STATUS_MESSAGE = (
     b"farm-blob-status-v1\n"
     b'{"cache_key":"' + CACHE_KEY.encode() + b'","expires_at":1790003600,"sha256":"'
@@ -271,7 +271,7 @@ GOLDEN_STATUS_BY_STATUS_KEY = (
 BUMP_STATUS = BUMP_SIGNATURE.replace(
     "farm.core.signing.MANIFEST_VERSION and MANIFEST_DOMAIN (or MESSAGE_VERSION for the v1 "
     "signature)",
-    "farm.core.signing.STATUS_VERSION and STATUS_DOMAIN (or STATUS_KEY_DOMAIN)",
+    "farm.core.status.STATUS_VERSION and STATUS_DOMAIN (or STATUS_KEY_DOMAIN)",
 )
 
 
@@ -279,12 +279,14 @@ def test_the_blob_status_and_the_status_key_certificate(signer):
     """The status an API signs on every resolve, by the blob signing key or by a status key
     that key certified: edges of every later version must read both."""
     assert STATUS.message() == GOLDEN_STATUS_MESSAGE, BUMP_STATUS
-    assert signer.sign_status(STATUS) == GOLDEN_STATUS, BUMP_STATUS
+    assert status.sign_status(signer, STATUS) == GOLDEN_STATUS, BUMP_STATUS
     status_key = Signer(Ed25519PrivateKey.from_private_bytes(STATUS_SEED))
     assert status_key.key_id == GOLDEN_STATUS_KEY_ID
-    assert signing.status_key_message(status_key.public_key) == GOLDEN_STATUS_KEY_MESSAGE
-    assert signer.certify_status_key(status_key.public_key) == GOLDEN_CERTIFICATE, BUMP_STATUS
-    assert status_key.sign_status(STATUS) == GOLDEN_STATUS_BY_STATUS_KEY, BUMP_STATUS
+    assert status.status_key_message(status_key.public_key) == GOLDEN_STATUS_KEY_MESSAGE
+    assert status.certify_status_key(signer, status_key.public_key) == GOLDEN_CERTIFICATE, (
+        BUMP_STATUS
+    )
+    assert status.sign_status(status_key, STATUS) == GOLDEN_STATUS_BY_STATUS_KEY, BUMP_STATUS
     trusted = TrustedKeys({GOLDEN_KEY_ID: signer.public_key})
     manifest = Manifest(**{**MANIFEST.fields()})
     at = STATUS.signed_at + 10
@@ -300,7 +302,7 @@ def test_the_blob_status_and_the_status_key_certificate(signer):
                 "certificate": certificate,
             }
         }
-        assert trusted.verify_status(record, manifest, at) == STATUS
+        assert status.verify_status(trusted, record, manifest, at) == STATUS
 
 
 def test_a_reference_refusal_names_the_blob_by_its_64_character_key(signer):

@@ -12,14 +12,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from farm.core.errors import BlobQuarantined, SignatureError
 from farm.core.filecache import BlobCache
-from farm.core.signing import (
-    STATUS_CLOCK_SKEW_SECONDS,
-    Manifest,
-    Signer,
-    StatusSigner,
-    TrustedKeys,
-)
+from farm.core.signing import Manifest, Signer, TrustedKeys
 from farm.core.spec import Toolchain
+from farm.core.status import (
+    STATUS_CLOCK_SKEW_SECONDS,
+    StatusSigner,
+    certify_status_key,
+    verify_status,
+)
 from farm.edge.agent import EdgeAgent
 
 KEY, SHA = "a" * 64, "1" * 64
@@ -64,7 +64,7 @@ def manifest_of(blob) -> Manifest:
 
 def test_a_current_status_signed_by_the_farm_is_read():
     blob = record(quarantined=True)
-    status = TRUST.verify_status(blob, manifest_of(blob), NOW + 60)
+    status = verify_status(TRUST, blob, manifest_of(blob), NOW + 60)
     assert (status.state, status.signed_at, status.expires_at) == (
         "quarantined",
         int(NOW),
@@ -76,36 +76,36 @@ def test_a_stripped_status_is_refused_not_read_as_ok():
     blob = record(quarantined=True)
     stripped = {k: v for k, v in blob.items() if k not in ("status", "quarantined_at")}
     with pytest.raises(SignatureError, match="carries no signed status"):
-        TRUST.verify_status(stripped, manifest_of(blob), NOW)
+        verify_status(TRUST, stripped, manifest_of(blob), NOW)
 
 
 def test_a_status_rewritten_to_ok_fails_its_signature():
     blob = record(quarantined=True)
     blob["status"]["document"] = {**blob["status"]["document"], "state": "ok"}
     with pytest.raises(SignatureError, match="invalid signature"):
-        TRUST.verify_status(blob, manifest_of(blob), NOW)
+        verify_status(TRUST, blob, manifest_of(blob), NOW)
 
 
 def test_an_expired_or_future_status_is_refused():
     blob = record()
     with pytest.raises(SignatureError, match="expired"):
-        TRUST.verify_status(blob, manifest_of(blob), NOW + 3600)
+        verify_status(TRUST, blob, manifest_of(blob), NOW + 3600)
     with pytest.raises(SignatureError, match="in the future"):
-        TRUST.verify_status(blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS - 1)
-    TRUST.verify_status(blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS)
+        verify_status(TRUST, blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS - 1)
+    verify_status(TRUST, blob, manifest_of(blob), NOW - STATUS_CLOCK_SKEW_SECONDS)
 
 
 def test_a_status_of_other_bytes_is_refused():
     other = StatusSigner(FARM, 3600).signed(KEY, "9" * 64, False, NOW)
     blob = {**record(), "status": other}
     with pytest.raises(SignatureError, match="about another blob"):
-        TRUST.verify_status(blob, manifest_of(blob), NOW)
+        verify_status(TRUST, blob, manifest_of(blob), NOW)
 
 
 def test_a_certified_status_key_signs_statuses_and_nothing_else():
-    certified = StatusSigner(STATUS_KEY, 3600, FARM.certify_status_key(STATUS_KEY.public_key))
+    certified = StatusSigner(STATUS_KEY, 3600, certify_status_key(FARM, STATUS_KEY.public_key))
     blob = record(status_signer=certified)
-    assert TRUST.verify_status(blob, manifest_of(blob), NOW).state == "ok"
+    assert verify_status(TRUST, blob, manifest_of(blob), NOW).state == "ok"
     # The certificate does not make the status key a manifest key.
     with pytest.raises(SignatureError, match="does not trust"):
         TRUST.verify_manifest(
@@ -117,12 +117,12 @@ def test_a_certified_status_key_signs_statuses_and_nothing_else():
 def test_a_status_key_without_a_trusted_certificate_is_refused(forgery):
     certificate = {
         "uncertified": None,
-        "self-certified": STRANGER.certify_status_key(STRANGER.public_key),
-        "other key's": FARM.certify_status_key(STATUS_KEY.public_key),
+        "self-certified": certify_status_key(STRANGER, STRANGER.public_key),
+        "other key's": certify_status_key(FARM, STATUS_KEY.public_key),
     }[forgery]
     blob = record(status_signer=StatusSigner(STRANGER, 3600, certificate))
     with pytest.raises(SignatureError):
-        TRUST.verify_status(blob, manifest_of(blob), NOW)
+        verify_status(TRUST, blob, manifest_of(blob), NOW)
 
 
 def _agent(tmp_path: Path, trust: TrustedKeys | None) -> EdgeAgent:

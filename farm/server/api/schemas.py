@@ -177,7 +177,7 @@ class BlobOut(BaseModel):
     quarantine_reason: str | None = None
     status: dict[str, Any] | None = None
     """On a resolve: the blob's state (ok or quarantined), signed now by the farm's status key
-    with its expiry (`farm.core.signing.BlobStatus`); what edges of this version act on."""
+    with its expiry (`farm.core.status.BlobStatus`); what edges of this version act on."""
 
 
 class PullIn(Strict):

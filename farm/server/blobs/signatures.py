@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from farm.core.clock import now
-from farm.core.signing import Manifest, Signer, StatusSigner
+from farm.core.signing import Manifest, Signer
+from farm.core.status import StatusSigner
 from farm.server.db.models import Blob
 
 
