@@ -78,3 +78,21 @@ def save_ir(model: ov.Model, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(model, path, compress_to_fp16=False)
     return path
+
+
+def stateful_scalar_net(seed: int = 0) -> ov.Model:
+    """A voice-activity model's interface: audio frames, a 0-d f32 gain, a 0-d int64 sample
+    rate and a recurrent state in, a probability and the next state out (named as a model
+    names its outputs: "prob", "stateN")."""
+    rng = np.random.default_rng(seed)
+    frames = ops.parameter([1, 16], ov.Type.f32, name="input")
+    gain = ops.parameter([], ov.Type.f32, name="gain")
+    rate = ops.parameter([], ov.Type.i64, name="sr")
+    state = ops.parameter([2, 1, 8], ov.Type.f32, name="state")
+    hidden = ops.multiply(ops.matmul(frames, _weights(rng, 16, 8), False, False), gain)
+    rate_term = ops.divide(ops.convert(rate, ov.Type.f32), ops.constant(np.float32(16000)))
+    prob = ops.sigmoid(ops.add(ops.matmul(hidden, _weights(rng, 8, 1), False, False), rate_term))
+    next_state = ops.tanh(ops.add(state, hidden))
+    prob.output(0).get_tensor().set_names({"prob"})
+    next_state.output(0).get_tensor().set_names({"stateN"})
+    return ov.Model([prob, next_state], [frames, gain, rate, state], "stateful_scalar_net")

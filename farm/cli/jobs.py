@@ -276,6 +276,8 @@ def _print_submission(answer: dict, as_json: bool) -> None:
                 say(f"outcome    unavailable (no job): {result['reason']}")
             elif result["job"] is None:
                 say("outcome    hit (the blob exists; nothing compiled)")
+                if result.get("reason"):
+                    say(f"note       {result['reason']}")
             else:
                 print_job(result["job"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -20,6 +21,7 @@ from farm.cli.common import (
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
 from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
+from farm.core.status import certificate_path, certify_status_key
 
 
 @main.group()
@@ -53,6 +55,48 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
         lambda: out.print(
             f"key {key_id}: private {path} (keep it on workers), public {public} "
             "(edges: FARM_TRUSTED_KEYS)"
+        ),
+    )
+
+
+@keys.command("create-status")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--if-missing", is_flag=True, help="Keep an existing status key and certificate.")
+@json_option
+@handle_errors
+def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
+    """Create the API's status key PATH and its certificate PATH.cert, signed by this host's
+    FARM_SIGNING_KEY: the API signs blob statuses with it (FARM_STATUS_KEY=PATH) without
+    holding the blob signing key. Edges need nothing new: the certificate travels with each
+    status. Run it where the signing key is; copy PATH and PATH.cert to the API."""
+    settings = get_settings()
+    signing = settings.resolved_signing_key
+    if signing is None or not signing.exists():
+        raise KeyFileError(
+            "the certificate is signed with the blob signing key: set FARM_SIGNING_KEY"
+        )
+    certifier = Signer.from_file(signing)
+    try:
+        _, key_id = create_key_pair(path)
+    except FileExistsError:
+        if not if_missing:
+            raise KeyFileError(f"{path} exists; keys are never overwritten") from None
+        key_id = Signer.from_file(path).key_id
+    if not (if_missing and certificate_path(path).exists()):
+        certificate = certify_status_key(certifier, Signer.from_file(path).public_key)
+        certificate_path(path).write_text(json.dumps(certificate, indent=2))
+    data = {
+        "status_key": str(path),
+        "certificate": str(certificate_path(path)),
+        "key_id": key_id,
+        "certified_by": certifier.key_id,
+    }
+    emit(
+        data,
+        as_json,
+        lambda: out.print(
+            f"status key {key_id}: {path} and {certificate_path(path)}, certified by key "
+            f"{certifier.key_id}; on the API: FARM_STATUS_KEY={path}"
         ),
     )
 

@@ -13,6 +13,7 @@ import click
 
 from farm.cli import main
 from farm.cli.common import (
+    EXIT_COMPILER_UNAVAILABLE,
     EXIT_REJECTED,
     backend,
     emit,
@@ -71,8 +72,10 @@ def verify(
 
     KEY_OR_MODEL is a cache key (then --device is the device to run on, default the blob's
     target's), or a model with its spec flags (the key this machine computes).
-    Exit 0 within tolerance; 9 when outside it, or when OpenVINO would not import or run the
-    blob; 4 when this machine has no device of the blob's class (nothing is reported then)."""
+    Exit 0 within tolerance; 9 when outside it (the only outcome that counts against the
+    blob); 4 when the verification could not judge it (OpenVINO would not import it here: out
+    of memory, a missing device library; the reference inputs do not fit; reported, never
+    counted against it), or this machine has no device of the blob's class (nothing reported)."""
     from farm.edge.verify import verify_blob  # OpenVINO: only when used
 
     run_on = None
@@ -99,6 +102,8 @@ def verify(
         "target": record["target"],
         "device": result.device,
         **result.report(),
+        "outcome": result.outcome,
+        "error_detail": result.error_detail,
         "farm": result.farm_answer,
     }
 
@@ -109,7 +114,7 @@ def verify(
             + (f", driver {result.driver_version}" if result.driver_version else "")
         )
         if result.error:
-            say(f"could not run it: {result.error}")
+            say(f"verification ERROR, nothing counted against the blob: {result.error}")
         for output in data["outputs"]:
             verdict = "ok" if output["passed"] else "OUTSIDE TOLERANCE"
             say(
@@ -124,13 +129,16 @@ def verify(
                 f"({data['runs']} runs); import {1000 * (data['import_seconds'] or 0):.1f} ms; "
                 f"peak RSS {size_text(data['peak_rss_bytes'] or 0)}"
             )
-        verdict = "passed" if data["passed"] else "FAILED"
-        say(f"{verdict} ({tolerance.describe()})")
+        if result.error is None:
+            verdict = "passed" if data["passed"] else "FAILED"
+            say(f"{verdict} ({tolerance.describe()})")
         if result.farm_answer and result.farm_answer.get("quarantined"):
             say(f"the farm quarantined blob {key}: edges refuse it until an admin releases it")
 
     emit(data, as_json, human)
-    if not data["passed"]:
+    if result.outcome == "error":
+        raise SystemExit(EXIT_COMPILER_UNAVAILABLE)
+    if result.outcome == "failed":
         raise SystemExit(EXIT_REJECTED)
 
 

@@ -6,7 +6,7 @@ import os
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from farm.core.text import strip_userinfo, url_password
@@ -169,6 +169,15 @@ class Settings(BaseSettings):
     several, so a farm can rotate its key. The embedded farm's own key is always trusted."""
     allow_unsigned: bool = False
     """Edges: import blobs without checking signatures (development only)."""
+    status_key: Path | None = None
+    """The API (and an operator's direct CLI): Ed25519 private key (PEM) that signs blob
+    statuses, with its certificate beside it (``<path>.cert``, `farm keys create-status`).
+    Unset: statuses are signed with FARM_SIGNING_KEY where this host holds it (the embedded
+    farm), else not at all, and edges of this version refuse every blob."""
+    status_lifetime_seconds: int = Field(3600, ge=60, le=366 * 86400)
+    """How long an edge may act on a blob status the API signed (whether the farm still offers
+    the blob, or quarantined it): the longest a replayed old answer, or a quarantine a proxy
+    hides, can work. Edges ask on every pull, so this costs nothing online."""
 
     @field_validator("s3_endpoint_url")
     @classmethod

@@ -16,7 +16,7 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -24,10 +24,10 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from farm.core.errors import IntegrityMismatch, SpecError
-from farm.core.tolerance import DEFAULT_TOLERANCES, Tolerance, default_tolerance
+from farm.core.tolerance import TOLERANCES, Tolerance, default_tolerance
 
 __all__ = [
-    "DEFAULT_TOLERANCES",
+    "TOLERANCES",
     "InputSpec",
     "OutputComparison",
     "Reference",
@@ -35,6 +35,7 @@ __all__ = [
     "compare",
     "default_tolerance",
     "load_inputs",
+    "output_label",
     "percentile",
     "seeded_inputs",
     "summary",
@@ -66,11 +67,22 @@ def seeded_inputs(cache_key: str, inputs: Sequence[InputSpec]) -> dict[str, np.n
         seed = int.from_bytes(hashlib.sha256(f"{cache_key}\n{spec.name}".encode()).digest()[:8])
         rng = np.random.default_rng(seed)
         dtype = np.dtype(spec.dtype)
+        # np.asarray: for a 0-d input numpy's generators return a scalar, not an array.
         if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-            made[spec.name] = rng.integers(0, 2, size=spec.shape).astype(dtype)
+            value = np.asarray(rng.integers(0, 2, size=spec.shape))
         else:
-            made[spec.name] = (rng.random(spec.shape, dtype=np.float64) * 2 - 1).astype(dtype)
+            value = np.asarray(rng.random(spec.shape, dtype=np.float64) * 2 - 1)
+        made[spec.name] = value.astype(dtype)
     return made
+
+
+def output_label(names: Iterable[str], index: int) -> str:
+    """The name an output is known by: the model's own name for it. An output tensor may carry
+    several names (ONNX's graph output name beside internal ones such as
+    "/decoder/Conv_output_0" or "Identity:0"): a name without "/" or ":" first, then the
+    shortest, then the first in order; `output<index>` for an output without any."""
+    ranked = sorted(names, key=lambda name: ("/" in name or ":" in name, len(name), name))
+    return ranked[0] if ranked else f"output{index}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,8 @@ class Reference:
         arrays: dict[str, Any] = {}
         for prefix, group in (("input", self.inputs), ("output", self.outputs)):
             for index, value in enumerate(group.values()):
-                arrays[f"{prefix}{index}"] = np.ascontiguousarray(value)
+                # Not np.ascontiguousarray: it turns a 0-d array (a scalar input) into shape (1,).
+                arrays[f"{prefix}{index}"] = np.asarray(value, order="C")
         meta = {
             "format": REFERENCE_FORMAT,
             "inputs": list(self.inputs),

@@ -183,6 +183,10 @@ class Signer:
         """The v2 signature (base64) of the manifest: what edges of this version check."""
         return base64.b64encode(self.private.sign(manifest.message())).decode("ascii")
 
+    def sign_message(self, signed: bytes) -> str:
+        """The signature (base64) of `signed`, a message of its own domain (`farm.core.status`)."""
+        return base64.b64encode(self.private.sign(signed)).decode("ascii")
+
     def sign_reference(
         self, cache_key: str, blob_sha256: str, reference_sha256: str, reference_size: int
     ) -> str:
@@ -229,7 +233,7 @@ class TrustedKeys:
         v1 signature (`farm keys resign` checks old blobs with it; edges need manifests)."""
         if not signature or not signer_id:
             raise SignatureError(f"blob {cache_key} is not signed; refusing to import it")
-        self._check(cache_key, signer_id, signature, message(cache_key, sha256))
+        self.check(cache_key, signer_id, signature, message(cache_key, sha256))
 
     def verify_manifest(
         self,
@@ -253,7 +257,7 @@ class TrustedKeys:
                     "refusing it. The farm's operator signs its manifest with `farm keys resign`"
                 )
             raise SignatureError(f"blob {key} is not signed; refusing to import it")
-        self._check(key, signer_id, signature, manifest.message())
+        self.check(key, signer_id, signature, manifest.message())
 
     def verify_reference(self, blob: Mapping[str, Any]) -> None:
         """Raise `SignatureError` unless a trusted key bound the record's reference file
@@ -266,9 +270,10 @@ class TrustedKeys:
         if not signature or not signer_id:
             raise SignatureError(f"the reference outputs of blob {key} are not signed")
         signed = reference_message(key, str(blob.get("sha256")), str(digest), int(str(size)))
-        self._check(key, signer_id, signature, signed)
+        self.check(key, signer_id, signature, signed)
 
-    def _check(self, cache_key: str, signer_id: str, signature: str, signed: bytes) -> None:
+    def check(self, cache_key: str, signer_id: str, signature: str, signed: bytes) -> None:
+        """Raise `SignatureError` unless the trusted key `signer_id` signed `signed`."""
         if not isinstance(signer_id, str) or not isinstance(signature, str):
             raise SignatureError(f"blob {cache_key} has a malformed signature; refusing it")
         public = self.keys.get(signer_id)

@@ -37,6 +37,7 @@ from farm.core.errors import (
 from farm.core.filecache import BlobCache
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
+from farm.core.status import verify_status
 from farm.edge.importer import import_blob, import_failure
 from farm.toolchain import host_toolchain
 
@@ -137,15 +138,19 @@ class EdgeAgent:
         agent_id: str | None = None,
         toolchain: Callable[[Target], Toolchain] | None = None,
         allow_quarantined: bool = False,
+        status_required: bool = True,
     ) -> None:
         """`trust`: the keys whose signatures this edge accepts; None imports unsigned blobs.
-        `allow_quarantined`: import blobs the farm quarantined (a failed verification) too."""
+        `allow_quarantined`: import blobs the farm quarantined (a failed verification) too.
+        `status_required`: False only for a source that reads the farm's database itself (an
+        operator's direct CLI), whose unsigned quarantine field is the database's own word."""
         self.source = source
         self.cache = cache
         self.trust = trust
         self.agent_id = agent_id or default_agent_id()
         self.toolchain = toolchain or host_toolchain
         self.allow_quarantined = allow_quarantined
+        self.status_required = status_required
 
     def resolve(self, cache_key: str) -> dict:
         blob = self.source.resolve(cache_key)
@@ -156,16 +161,10 @@ class EdgeAgent:
 
     def check(self, blob: Mapping[str, Any], cache_key: str | None = None) -> Manifest:
         """Before any download: the record is of `cache_key` (the key this edge asked for),
-        a trusted key signed its manifest, and this machine can import it. Returns the
-        manifest: everything after this acts on its fields only."""
+        a trusted key signed its manifest, the farm's signed status of it is current and not
+        quarantined, and this machine can import it. Returns the manifest: everything after
+        this acts on its fields only."""
         _same_key(cache_key or str(blob.get("cache_key")), blob)
-        if blob.get("quarantined_at") and not self.allow_quarantined:
-            raise BlobQuarantined(
-                f"blob {blob['cache_key']} is quarantined by the farm: "
-                f"{blob.get('quarantine_reason')}; nothing was downloaded (an admin releases "
-                "it with `farm blobs release`, or resubmit with --rebuild; --allow-quarantined "
-                "imports it anyway)"
-            )
         manifest = Manifest.from_record(blob)
         if self.trust is not None:
             self.trust.verify_manifest(
@@ -173,6 +172,13 @@ class EdgeAgent:
                 blob.get("signing_key_id"),
                 blob.get("manifest_signature"),
                 blob.get("signature"),
+            )
+        if self.quarantined(blob, manifest) and not self.allow_quarantined:
+            raise BlobQuarantined(
+                f"blob {manifest.cache_key} is quarantined by the farm: "
+                f"{blob.get('quarantine_reason') or 'no reason given'}; nothing was downloaded "
+                "(an admin releases it with `farm blobs release`; --allow-quarantined imports "
+                "it anyway where the farm still hands it out, to an admin's token)"
             )
         problems = incompatibilities(
             manifest.fields(), self.toolchain(Target.parse(manifest.target))
@@ -183,6 +189,15 @@ class EdgeAgent:
                 "nothing was downloaded"
             )
         return manifest
+
+    def quarantined(self, blob: Mapping[str, Any], manifest: Manifest) -> bool:
+        """Whether the farm quarantined the blob: by its signed, current status (SignatureError
+        when there is none, or it is stale or of another blob) on an edge that checks
+        signatures; by the record's unsigned `quarantined_at` on one that does not."""
+        if self.trust is None or (blob.get("status") is None and not self.status_required):
+            return bool(blob.get("quarantined_at"))
+        status = verify_status(self.trust, blob, manifest, time.time())
+        return status.state == "quarantined"
 
     def fetch(self, cache_key: str, progress: Progress = None, blob: dict | None = None) -> Fetched:
         """The verified blob in the local cache: from the cache, or downloaded (resumed after a
@@ -298,7 +313,13 @@ class EdgeAgent:
         self._report(cache_key, ok=True)
 
     def _report(self, cache_key: str, ok: bool, **details: Any) -> None:
-        self.source.report_pull(cache_key, self.agent_id, ok, **details)
+        try:
+            self.source.report_pull(cache_key, self.agent_id, ok, **details)
+        except (ApiError, BlobQuarantined) as error:
+            # The farm refuses an ok pull of a quarantined blob; this edge imported it only
+            # with --allow-quarantined, and the import stands.
+            if getattr(error, "code", None) != "quarantined":
+                raise
 
     def _download(self, cache_key: str, partial: Path, size: int, progress: Progress) -> str | None:
         """Download with retries; the sha256 of the file if the source computed it."""

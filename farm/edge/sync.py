@@ -105,8 +105,11 @@ def sync_once(
                 outcome = verify_once(agent, key, weights=ref.files.get("bin"))
                 if outcome is None:
                     detail = "not verified: the blob has no reference outputs"
+                elif outcome["error"]:  # could not judge the blob: this machine's error
+                    results.append(SyncResult(label, summary, "error", key, outcome["error"]))
+                    continue
                 elif not outcome["passed"]:
-                    why = outcome["error"] or "outputs outside tolerance"
+                    why = "outputs outside tolerance"
                     results.append(SyncResult(label, summary, "failed", key, why))
                     continue
             if do_import:

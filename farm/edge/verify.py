@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import tempfile
 import time
@@ -33,13 +34,16 @@ from farm.core.reference import (
     Tolerance,
     compare,
     default_tolerance,
+    output_label,
     percentile,
     summary,
 )
 from farm.core.rss import peak_rss_bytes, reset_peak_rss
 from farm.core.spec import Target
 from farm.edge.agent import EdgeAgent, verify_weights
-from farm.toolchain import property_or_none
+from farm.toolchain import last_line, property_or_none
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RUNS = 10
 WARMUP_RUNS = 1
@@ -63,8 +67,19 @@ class Verification:
     import_seconds: float | None = None
     peak_rss_bytes: int | None = None
     error: str | None = None
+    """Why the verification could not judge the blob (one line); None when it could."""
+    error_detail: str | None = None
+    """OpenVINO's own text of that error (logged, and in `farm verify --json`)."""
     farm_answer: dict[str, Any] | None = None
     """The farm's answer to the report: `{"id", "passed", "quarantined"}`."""
+
+    @property
+    def outcome(self) -> str:
+        """ "passed", "failed" (outputs outside tolerance: counts against the blob) or "error"
+        (the verification could not judge it: never counts against it)."""
+        if self.error is not None:
+            return "error"
+        return "passed" if self.passed else "failed"
 
     def report(self) -> dict[str, Any]:
         finite = _finite_or_none
@@ -115,13 +130,15 @@ def verify_blob(
     """Verify the blob of `cache_key` on `device` (default: its target's) and report it (unless
     `report` is False). `overrides`: atol, rtol or min_cosine instead of the defaults.
 
-    Only a failure that is the blob's is a failed verification (reported, and the farm then
-    quarantines the blob): OpenVINO refusing to import it, or to run the reference inputs, or
-    outputs outside tolerance. Everything that says nothing about the blob raises and reports
-    nothing: refusals of the record (signature, digest, quarantine), no reference outputs, no
-    such device on this machine, a device of another class than the blob's target, a
-    weightless blob without its model's own `.bin`. `record`: the farm's record of the blob,
-    when the caller resolved it already."""
+    Three outcomes. *passed*: every output within tolerance. *failed*: an output outside it,
+    the only finding that counts against the blob (the farm quarantines it). *error*: the
+    verification could not judge the blob (OpenVINO would not import it here, for want of
+    memory or a device library; the reference inputs do not fit its inputs; the run failed);
+    reported with its cause, never counted against the blob. Refusals that come before any
+    run raise and report nothing: the record's (signature, digest, status, quarantine), no
+    reference outputs, no such device on this machine, a device of another class than the
+    blob's target, a weightless blob without its model's own `.bin`. `record`: the farm's
+    record of the blob, when the caller resolved it already."""
     record = record or agent.resolve(cache_key)
     fetched = agent.fetch(cache_key, blob=record)
     blob = fetched.blob
@@ -147,16 +164,16 @@ def verify_blob(
     )
     reset_peak_rss()
     try:
-        imported = agent.load(cache_key, device, weights, blob=record, report=False)
+        imported = _import(agent, cache_key, device, weights, record)
         result.import_seconds = imported.import_seconds
-        precision = property_or_none(imported.compiled, "INFERENCE_PRECISION_HINT")
-        hint = None if precision is None else str(precision)
-        result.tolerance = _tolerance(target, hint, overrides)
-        outputs, result.latencies_ms = _run(imported.compiled, reference.inputs, runs)
-    except FarmError:
-        raise  # the farm's or this machine's refusal: nothing to say about the blob
-    except Exception as error:  # OpenVINO would not import or run it on this device
-        result.error = f"{type(error).__name__}: {error}"[:4000]
+        precision = precision_name(property_or_none(imported.compiled, "INFERENCE_PRECISION_HINT"))
+        result.tolerance = _tolerance(target, precision, overrides)
+        outputs, result.latencies_ms = _run(
+            imported.compiled, reference.inputs, list(reference.outputs), runs
+        )
+    except HarnessError as error:
+        result.error, result.error_detail = str(error), error.detail
+        log.warning("verification of blob %s could not run: %s", cache_key, error.detail)
     else:
         result.figures = summary(compare(reference.outputs, outputs, result.tolerance))
         result.passed = bool(result.figures["passed"])
@@ -164,6 +181,46 @@ def verify_blob(
     if report:
         result.farm_answer = agent.source.report_verification(cache_key, result.report())
     return result
+
+
+class HarnessError(Exception):
+    """The verification could not judge the blob: an error of the verification, never a
+    failure of the blob. `str()` is one readable line; `detail` is OpenVINO's own text."""
+
+    def __init__(self, summary: str, detail: str | None = None) -> None:
+        super().__init__(summary)
+        self.detail = (detail or summary)[:4000]
+
+
+_OUT_OF_MEMORY = ("bad_alloc", "out of memory", "cannot allocate memory", "failed to allocate")
+_MISSING_LIBRARY = ("cannot load library", "no such file", "failed to create plugin", ".so")
+
+
+def _import(agent: EdgeAgent, cache_key: str, device: str, weights, record):
+    """`agent.load`, whose failures to import a blob whose bytes are the signed ones are the
+    machine's, named (HarnessError): out of memory, a missing device library, or OpenVINO's
+    last line."""
+    raw: BaseException
+    try:
+        return agent.load(cache_key, device, weights, blob=record, report=False)
+    except FarmError as error:
+        # What OpenVINO raised is its cause (`importer.import_failure`); any other farm error
+        # (a refusal of the record, the network, the disk) is not the import's.
+        if not isinstance(error.__cause__, (RuntimeError, MemoryError)):
+            raise
+        raw = error.__cause__
+    except (RuntimeError, MemoryError) as error:
+        raw = error
+    text = f"{type(raw).__name__}: {raw}"
+    lowered = text.lower()
+    if isinstance(raw, MemoryError) or any(sign in lowered for sign in _OUT_OF_MEMORY):
+        cause = "out of memory"
+    elif any(sign in lowered for sign in _MISSING_LIBRARY):
+        cause = f"a library of the {device} plugin is missing or cannot be loaded"
+    else:
+        cause = "OpenVINO refused it"
+    said = last_line(raw) if isinstance(raw, Exception) else text
+    raise HarnessError(f"could not import the blob on {device}: {cause} ({said})", text)
 
 
 def verify_once(
@@ -175,7 +232,8 @@ def verify_once(
     The report is kept in the cache, keyed by the blob's bytes, the device's full name, its
     driver and this machine's OpenVINO: a driver or OpenVINO update verifies again. A failure
     is kept too: an admin who releases a blob this device failed is not overruled on the next
-    pass (the farm has the failed report)."""
+    pass (the farm has the failed report). An error (the verification could not judge the blob:
+    out of memory...) is not kept: the next pass tries again."""
     record = agent.resolve(cache_key)
     if not record.get("reference_sha256"):
         return None
@@ -188,8 +246,9 @@ def verify_once(
                 return kept
     result = verify_blob(agent, cache_key, target_device, weights=weights, record=record)
     outcome = result.report()
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps(outcome))
+    if result.error is None:  # an error (out of memory...) is tried again on the next pass
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(outcome))
     return outcome
 
 
@@ -223,15 +282,24 @@ def _check_device(device: str, target: Target) -> None:
 def _tolerance(
     target: Target, precision: str | None, overrides: Mapping[str, float | None] | None
 ) -> Tolerance:
-    """The target's default, or fp16's where a CPU computes in less than f32 (bf16 on AMX
-    Xeons, f16 on ARM, a blob compiled with INFERENCE_PRECISION_HINT=f16), then `overrides`."""
-    device = target.device
-    if device == "CPU" and precision and precision.lower() not in ("f32", "float32"):
-        device = "NPU"  # the fp16-sized tolerance
-    base = default_tolerance(device)
+    """The row of the tolerance table for the target's device computing in `precision` (a CPU
+    in bf16 on AMX Xeons, in f16 when told so; farm/core/tolerance.py), then `overrides`."""
+    base = default_tolerance(target.device, precision)
     values = {"atol": base.atol, "rtol": base.rtol, "min_cosine": base.min_cosine}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Tolerance(**values)
+
+
+def precision_name(precision: object) -> str | None:
+    """A compiled model's INFERENCE_PRECISION_HINT as a name of the tolerance table: OpenVINO
+    answers an `ov.Type` (whose `str()` is "<Type: 'float32'>", never "f32"); None when the
+    plugin reports none."""
+    if precision is None:
+        return None
+    if isinstance(precision, ov.Type):
+        return precision.get_type_name()  # "f32", "f16", "bf16"
+    text = str(precision).strip().lower()
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(text, text) or None
 
 
 def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:
@@ -257,39 +325,65 @@ def _reference(agent: EdgeAgent, record: dict[str, Any]) -> Reference:
 
 
 def _run(
-    compiled: ov.CompiledModel, inputs: dict[str, np.ndarray], runs: int
+    compiled: ov.CompiledModel, inputs: dict[str, np.ndarray], expected: list[str], runs: int
 ) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Warm up, then `runs` timed inferences; the outputs of the last, by name."""
+    """Warm up, then `runs` timed inferences; the outputs of the last, each labelled with the
+    reference's name for it when the blob's output carries that name (`expected`), else with
+    the model's own name for it (`output_label`)."""
     request = compiled.create_infer_request()
     ordered = _by_port(compiled, inputs)
-    for _ in range(WARMUP_RUNS):
-        request.infer(ordered)
-    latencies = []
-    for _ in range(max(1, runs)):
-        started = time.perf_counter()
-        request.infer(ordered)
-        latencies.append((time.perf_counter() - started) * 1000)
+    try:
+        for _ in range(WARMUP_RUNS):
+            request.infer(ordered)
+        latencies = []
+        for _ in range(max(1, runs)):
+            started = time.perf_counter()
+            request.infer(ordered)
+            latencies.append((time.perf_counter() - started) * 1000)
+    except Exception as error:  # OpenVINO raises RuntimeError for any refusal
+        raise HarnessError(
+            f"OpenVINO could not run the reference inputs: {last_line(error)}",
+            f"{type(error).__name__}: {error}",
+        ) from None
     outputs = {}
     for index, port in enumerate(compiled.outputs):
-        name = port.get_any_name() if port.get_names() else f"output{index}"
-        outputs[name] = np.array(request.get_output_tensor(index).data, copy=True)
+        names = port.get_names()
+        label = next((name for name in expected if name in names), None)
+        outputs[label or output_label(names, index)] = np.array(
+            request.get_output_tensor(index).data, copy=True
+        )
     return outputs, latencies
 
 
 def _by_port(compiled: ov.CompiledModel, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The reference inputs in the compiled model's input order: by name, else by position
-    (a blob may name its inputs differently from the source model)."""
+    """The reference inputs in the compiled model's input order, by name, else by position (a
+    blob may name its inputs differently from the source model), each of a shape the input
+    takes (a scalar stays 0-d). An input the reference cannot give, or one of another shape,
+    is a HarnessError: the reference and the blob disagree, which says nothing of its numbers."""
     values = list(inputs.values())
+    if len(values) != len(compiled.inputs):
+        raise HarnessError(
+            f"the reference has {len(values)} inputs ({', '.join(inputs) or 'none'}); the blob "
+            f"takes {len(compiled.inputs)} ({', '.join(_name(p) for p in compiled.inputs)})"
+        )
     ordered = []
     for index, port in enumerate(compiled.inputs):
         names = port.get_names()
         match = next((inputs[name] for name in names if name in inputs), None)
-        if match is None and index < len(values):
-            match = values[index]
         if match is None:
-            raise IntegrityMismatch(f"the reference has no input for {port.get_any_name()!r}")
-        ordered.append(match)
+            match = values[index]
+        shape = port.get_partial_shape()
+        if not shape.compatible(ov.PartialShape(list(np.shape(match)))):
+            raise HarnessError(
+                f"the reference input for {_name(port)!r} has shape {list(np.shape(match))}; "
+                f"the blob's input takes {shape}"
+            )
+        ordered.append(np.asarray(match))
     return ordered
+
+
+def _name(port: ov.Output) -> str:
+    return port.get_any_name() if port.get_names() else "(unnamed)"
 
 
 def _device_property(device: str, name: str) -> str | None:

@@ -23,6 +23,7 @@ from farm.core.config import Settings, get_settings
 from farm.core.errors import DatabaseUnavailable
 from farm.core.filecache import BlobCache
 from farm.core.signing import Signer, load_signer
+from farm.core.status import StatusSigner
 from farm.core.text import mask_url
 from farm.server.db.models import Job
 from farm.server.db.session import (
@@ -77,6 +78,16 @@ class FarmContext:
         given its key (`FARM_SIGNING_KEY`, `farm keys create`)."""
         settings = self.settings
         return load_signer(settings.resolved_signing_key, create=not settings.served)
+
+    @cached_property
+    def status_signer(self) -> StatusSigner | None:
+        """Signs blob statuses: FARM_STATUS_KEY with its certificate, else the blob signing
+        key where this host holds it; None: edges of this version refuse this farm's blobs."""
+        settings = self.settings
+        if settings.status_key is not None:
+            return StatusSigner.from_file(settings.status_key, settings.status_lifetime_seconds)
+        signer = self.signer
+        return None if signer is None else StatusSigner(signer, settings.status_lifetime_seconds)
 
     @cached_property
     def run_limits(self) -> RunLimits:

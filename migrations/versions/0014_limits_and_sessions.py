@@ -8,7 +8,7 @@
 Two new tables: nothing existing is rewritten.
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 Create Date: 2026-11-24 21:00:00.000000
 """
 
@@ -19,7 +19,7 @@ from alembic import op
 from farm.migrations.checks import sha256_check
 
 revision = "0014"
-down_revision = "0012"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 

@@ -120,6 +120,36 @@ class AdminFarm:
             sign_reference(rows[to], signer)
             session.commit()
 
+    def reference_of(self, key: str) -> str:
+        """The sha256 of blob `key`'s reference file."""
+        from farm.server.db.models import Blob
+
+        with self.sessions() as session:
+            return session.scalars(select(Blob.reference_sha256).where(Blob.cache_key == key)).one()
+
+    def skew_reference(self, key: str, factor: float, digest: str | None = None) -> None:
+        """Record blob `key`'s reference (or its earlier one, of sha256 `digest`) with its
+        outputs times `factor`, signed by the farm's key: a reference the blob's numbers are
+        outside of (a blob that computes wrong)."""
+        from farm.core import hashing
+        from farm.core.reference import Reference
+        from farm.core.signing import Signer
+        from farm.server.blobs.signatures import sign_reference
+        from farm.server.db.models import Blob
+
+        store = Path(self.env["FARM_STORAGE_URL"]) / "references" / key
+        signer = Signer.from_file(Path(self.env["FARM_HOME"]) / "keys" / "signing.pem")
+        with self.sessions() as session:
+            row = session.scalars(select(Blob).where(Blob.cache_key == key)).one()
+            reference = Reference.load(store / f"{digest or row.reference_sha256}.npz")
+            outputs = {name: value * factor for name, value in reference.outputs.items()}
+            skewed = Reference(reference.inputs, outputs).save(store / "skewed.npz")
+            digest, size = hashing.sha256_file(skewed), skewed.stat().st_size
+            skewed.rename(store / f"{digest}.npz")
+            row.reference_sha256, row.reference_size_bytes = digest, size
+            sign_reference(row, signer)
+            session.commit()
+
     def age(self, model, where, days: float) -> None:
         """Move the `created_at` of `model` rows matching `where` `days` into the past (a test
         cannot wait 30 days for a blob to go unpulled)."""

@@ -64,10 +64,14 @@ def history(database_url, tmp_path):
             imports[key].append(farm.pull(keys[key], agent, device)["import_seconds"])
         assert not farm.pull(keys["a"], "edge-3", "NPU")["ok"]  # no NPU device here
         assert farm.verify(keys["a"], "edge-1")["passed"]
-        # b (batch 2) given a's reference (batch 1): it cannot run those inputs; a real failed
-        # verification, which quarantines b.
+        # b (batch 2) given a's reference (batch 1): it cannot run those inputs, an error of
+        # the verification (exit 4), which quarantines nothing.
+        own = farm.reference_of(keys["b"])
         farm.give_reference_of(keys["a"], to=keys["b"])
-        assert farm.verify(keys["b"], "edge-2", expect=9)["error"]
+        assert farm.verify(keys["b"], "edge-1", expect=4)["outcome"] == "error"
+        # b's outputs outside its reference: a real failed verification, which quarantines b.
+        farm.skew_reference(keys["b"], 1.5, own)
+        assert farm.verify(keys["b"], "edge-2", expect=9)["outcome"] == "failed"
 
         farm.age(Blob, Blob.cache_key == keys["b"], 45)
         farm.age(Pull, Pull.cache_key == keys["b"], 40)
@@ -228,10 +232,12 @@ def check_latency_by_platform(rows, h: History):
 
 
 def check_failed_somewhere(rows, h: History):
-    (row,) = rows
-    assert (row["cache_key"], row["agent_id"]) == (h.keys["b"], "edge-2")
-    assert "Exception" in row["error"] or "Error" in row["error"]
-    assert row["quarantined_at"] is not None
+    failed, could_not_run = rows  # newest first
+    assert (failed["cache_key"], failed["agent_id"]) == (h.keys["b"], "edge-2")
+    assert failed["error"] is None and failed["max_abs_error"] > 0
+    assert failed["quarantined_at"] is not None
+    assert (could_not_run["agent_id"], could_not_run["cache_key"]) == ("edge-1", h.keys["b"])
+    assert "the blob's input takes [2,3,32,32]" in could_not_run["error"]
 
 
 def check_gc_record(rows, h: History):

@@ -69,6 +69,7 @@ def test_resign_after_retiring_a_key_lets_edges_trusting_only_the_new_key_import
     cache_key, _, sha256, signature = rows[0]
     TrustedKeys.from_files([f"{new_key}.pub"]).verify(cache_key, sha256, new_id, signature)
 
+    _api_signs_statuses_with(edge_farm, new_key)  # rotation step 3: the API's key too
     pulled = ok_json(new_edge, "pull", key_a, "--import")
     assert pulled["downloaded"] is True and pulled["import_seconds"] > 0
     corrupt = run_farm(new_edge, "pull", key_b)
@@ -132,7 +133,16 @@ def test_resign_signs_only_what_it_can_show_is_genuine(edge_farm, tmp_path):  # 
     vouched = ok_json(operator, "keys", "resign", "--accept-unverified")
     assert vouched["resigned"] == 1 and vouched["failed"] == 0
     new_edge = {**edge, "FARM_TRUSTED_KEYS": f"{new_key}.pub", "FARM_CACHE_DIR": str(tmp_path)}
+    _api_signs_statuses_with(edge_farm, new_key)
     assert ok_json(new_edge, "pull", key, "--import")["downloaded"] is True
+
+
+def _api_signs_statuses_with(farm, key) -> None:
+    """Restart the farm's API on the new key: it signs blob statuses with FARM_SIGNING_KEY
+    (SECURITY.md, key rotation); edges that trust only the new key need statuses it signed."""
+    farm.api.stop()
+    farm.api.env = {**farm.api.env, "FARM_SIGNING_KEY": str(key)}
+    farm.api.start()
 
 
 @pytest.mark.postgres

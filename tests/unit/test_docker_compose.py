@@ -35,7 +35,14 @@ def parse(args: list[str]) -> click.Context:
 
 def test_every_farm_service_runs_a_real_farm_command(services):
     farm_services = {name: s for name, s in services.items() if "build" in s}
-    assert set(farm_services) == {"signing-key", "migrate", "api", "worker", "reconciler"}
+    assert set(farm_services) == {
+        "signing-key",
+        "status-key",
+        "migrate",
+        "api",
+        "worker",
+        "reconciler",
+    }
     for name, service in farm_services.items():
         parse(service["command"])  # raises UsageError on an unknown command or option
         env = service["environment"]
@@ -65,3 +72,13 @@ def test_workers_offer_the_memory_of_their_container(services):
     limit = worker["deploy"]["resources"]["limits"]["memory"]
     limit_bytes = int(limit[:-1]) * UNITS[limit[-1].lower()]
     assert int(worker["environment"]["FARM_WORKER_MEMORY_BYTES"]) == limit_bytes
+
+
+def test_the_api_signs_statuses_with_a_certified_key_of_its_own(services):
+    api, maker = services["api"], services["status-key"]
+    made = parse(maker["command"]).params
+    assert made["if_missing"] and api["environment"]["FARM_STATUS_KEY"] == str(made["path"])
+    assert "FARM_SIGNING_KEY" not in api["environment"]  # the API never holds the blob key
+    assert maker["environment"]["FARM_SIGNING_KEY"] == "/keys/signing.pem"
+    assert api["depends_on"]["status-key"] == {"condition": "service_completed_successfully"}
+    assert "status-key:/status:ro" in api["volumes"]

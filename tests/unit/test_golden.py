@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from farm.core import blobformat, hashing, signing
+from farm.core import blobformat, hashing, signing, status
 from farm.core.errors import BlobFormatError, SignatureError
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import Manifest, Signer, TrustedKeys
@@ -241,6 +241,68 @@ def test_the_reference_signature(signer):
         "signing_key_id": GOLDEN_KEY_ID,
     }
     TrustedKeys({GOLDEN_KEY_ID: signer.public_key}).verify_reference(record)
+
+
+STATUS = status.BlobStatus(CACHE_KEY, SHA256, "quarantined", 1_790_000_000, 1_790_003_600)
+GOLDEN_STATUS_MESSAGE = (
+    b"farm-blob-status-v1\n"
+    b'{"cache_key":"' + CACHE_KEY.encode() + b'","expires_at":1790003600,"sha256":"'
+    b"" + SHA256.encode() + b'","signed_at":1790000000,"state":"quarantined","v":1}'
+)
+GOLDEN_STATUS = (
+    "eCaM9Dl4aPhXUIWI5cZJHuGkmeBMoZINJnQv6Jg4lqsgVZz2KsyBRaQJ9B1Dies37kxJ5enQGTQsN0hD5MRhBw=="
+)
+STATUS_SEED = bytes(range(32, 64))
+GOLDEN_STATUS_KEY_ID = "24f6ed6acbfe1009"
+GOLDEN_STATUS_KEY_MESSAGE = (
+    b'farm-status-key-v1\n{"key_id":"24f6ed6acbfe1009",'
+    b'"public_key":"Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc="}'
+)
+GOLDEN_CERTIFICATE = {
+    "key_id": GOLDEN_STATUS_KEY_ID,
+    "public_key": "Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc=",
+    "signer_id": GOLDEN_KEY_ID,
+    "signature": "gWxWpBV6WTvuqZV0h77wtxbM/7p2EKIQatI13oTnT+CFBn13edVaPJeJhtIGltN1DrB+VVFU6AusRyUD"
+    "YcZFCg==",
+}
+GOLDEN_STATUS_BY_STATUS_KEY = (
+    "vQqfIwb2De4HdQWWKuhgepOYPlmf9d7gSwuVTabC4HN3gz7gwWmxlFFY+GLjymfrSPx047XJioWKZZIWC3dFCA=="
+)
+BUMP_STATUS = BUMP_SIGNATURE.replace(
+    "farm.core.signing.MANIFEST_VERSION and MANIFEST_DOMAIN (or MESSAGE_VERSION for the v1 "
+    "signature)",
+    "farm.core.status.STATUS_VERSION and STATUS_DOMAIN (or STATUS_KEY_DOMAIN)",
+)
+
+
+def test_the_blob_status_and_the_status_key_certificate(signer):
+    """The status an API signs on every resolve, by the blob signing key or by a status key
+    that key certified: edges of every later version must read both."""
+    assert STATUS.message() == GOLDEN_STATUS_MESSAGE, BUMP_STATUS
+    assert status.sign_status(signer, STATUS) == GOLDEN_STATUS, BUMP_STATUS
+    status_key = Signer(Ed25519PrivateKey.from_private_bytes(STATUS_SEED))
+    assert status_key.key_id == GOLDEN_STATUS_KEY_ID
+    assert status.status_key_message(status_key.public_key) == GOLDEN_STATUS_KEY_MESSAGE
+    assert status.certify_status_key(signer, status_key.public_key) == GOLDEN_CERTIFICATE, (
+        BUMP_STATUS
+    )
+    assert status.sign_status(status_key, STATUS) == GOLDEN_STATUS_BY_STATUS_KEY, BUMP_STATUS
+    trusted = TrustedKeys({GOLDEN_KEY_ID: signer.public_key})
+    manifest = Manifest(**{**MANIFEST.fields()})
+    at = STATUS.signed_at + 10
+    for signer_id, signature, certificate in (
+        (GOLDEN_KEY_ID, GOLDEN_STATUS, None),
+        (GOLDEN_STATUS_KEY_ID, GOLDEN_STATUS_BY_STATUS_KEY, GOLDEN_CERTIFICATE),
+    ):
+        record = {
+            "status": {
+                "document": STATUS.document(),
+                "signing_key_id": signer_id,
+                "signature": signature,
+                "certificate": certificate,
+            }
+        }
+        assert status.verify_status(trusted, record, manifest, at) == STATUS
 
 
 def test_a_reference_refusal_names_the_blob_by_its_64_character_key(signer):

@@ -11,12 +11,13 @@ import pytest
 
 from farm.core.errors import IntegrityMismatch, SignatureError
 from farm.core.reference import (
-    DEFAULT_TOLERANCES,
+    TOLERANCES,
     InputSpec,
     Reference,
     Tolerance,
     compare,
     default_tolerance,
+    output_label,
     percentile,
     seeded_inputs,
     summary,
@@ -153,8 +154,10 @@ def test_summary_reports_the_worst_output():
 
 
 def test_default_tolerances_are_tight_for_cpu_and_fp16_sized_for_npu():
-    assert default_tolerance("CPU") == DEFAULT_TOLERANCES["CPU"]
-    assert default_tolerance("NPU") == DEFAULT_TOLERANCES["NPU"]
+    assert default_tolerance("CPU") == TOLERANCES["f32"]
+    assert default_tolerance("NPU") == default_tolerance("NPU.0", "f32") == TOLERANCES["f16"]
+    assert default_tolerance("CPU", "bf16") == TOLERANCES["bf16"]
+    assert default_tolerance("CPU", "f8e4m3") == TOLERANCES["bf16"]  # not in the table: loosest
     fp16 = np.float32(1.0) + np.float32(np.finfo(np.float16).eps)
     npu = compare({"y": np.ones(8)}, {"y": np.full(8, fp16)}, default_tolerance("NPU"))[0]
     cpu = compare({"y": np.ones(8)}, {"y": np.full(8, fp16)}, default_tolerance("CPU"))[0]
@@ -202,13 +205,122 @@ def _key(tmp_path):
     return path
 
 
-def test_a_cpu_computing_in_less_than_f32_gets_the_fp16_tolerance_and_overrides_win():
+def test_a_cpu_computing_in_less_than_f32_gets_its_tolerance_and_overrides_win():
     from farm.core.spec import Target
     from farm.edge.verify import _tolerance
 
     cpu = Target.parse("CPU")
-    assert _tolerance(cpu, "f32", None) == DEFAULT_TOLERANCES["CPU"]
-    assert _tolerance(cpu, "bf16", None) == DEFAULT_TOLERANCES["NPU"]
-    assert _tolerance(Target.parse("4000"), None, None) == DEFAULT_TOLERANCES["NPU"]
+    assert _tolerance(cpu, "f32", None) == TOLERANCES["f32"]
+    assert _tolerance(cpu, None, None) == TOLERANCES["f32"]
+    assert _tolerance(cpu, "bf16", None) == TOLERANCES["bf16"]
+    assert _tolerance(cpu, "f16", None) == TOLERANCES["f16"]
+    assert _tolerance(Target.parse("4000"), None, None) == TOLERANCES["f16"]
     loose = _tolerance(cpu, "f32", {"atol": 0.5, "rtol": None, "min_cosine": None})
-    assert (loose.atol, loose.rtol) == (0.5, DEFAULT_TOLERANCES["CPU"].rtol)
+    assert (loose.atol, loose.rtol) == (0.5, TOLERANCES["f32"].rtol)
+
+
+def test_a_compiled_models_precision_is_read_as_an_openvino_type_not_its_string():
+    """OpenVINO answers INFERENCE_PRECISION_HINT with an `ov.Type`, whose str() is
+    "<Type: 'float32'>": read as a string, every f32 CPU blob got a looser tolerance."""
+    import openvino as ov
+
+    from farm.edge.verify import precision_name
+
+    assert str(ov.Type.f32) != "f32"
+    assert [precision_name(t) for t in (ov.Type.f32, ov.Type.f16, ov.Type.bf16)] == [
+        "f32",
+        "f16",
+        "bf16",
+    ]
+    assert precision_name(None) is None
+    assert precision_name("FP32") != "f16"
+
+
+def test_an_f32_cpu_blob_is_held_to_the_f32_tolerance_never_the_fp16_one():
+    """Compiles a two-node model with INFERENCE_PRECISION_HINT=f32 (milliseconds) and reads its
+    precision back the way `farm verify` does: this fails if an f32 blob is compared with the
+    fp16 tolerance."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from farm.core.spec import Target
+    from farm.edge.verify import _tolerance, precision_name
+    from farm.toolchain import property_or_none
+
+    x = ops.parameter([4], ov.Type.f32, name="x")
+    model = ov.Model([ops.relu(x)], [x])
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    precision = precision_name(property_or_none(compiled, "INFERENCE_PRECISION_HINT"))
+    tolerance = _tolerance(Target.parse("CPU"), precision, None)
+    assert precision == "f32"
+    assert tolerance == TOLERANCES["f32"] != TOLERANCES["f16"]
+
+
+def test_the_documented_tolerance_table_is_the_code_s_table():
+    """docs/architecture.md §14 has the one table of tolerances; it must say what the code does."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("<!-- tolerances -->") : doc.index("<!-- /tolerances -->")]
+    rows = [
+        line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| `")
+    ]
+    documented = {
+        row[0].strip("`"): Tolerance(float(row[1]), float(row[2]), float(row[3])) for row in rows
+    }
+    assert documented == TOLERANCES
+
+
+def test_outputs_are_labelled_by_the_model_s_own_name():
+    assert output_label({"/decoder/Conv_output_0", "speech_probs"}, 0) == "speech_probs"
+    assert output_label({"Identity:0", "logits"}, 1) == "logits"
+    assert output_label({"b", "a"}, 0) == "a"
+    assert output_label(set(), 3) == "output3"
+
+
+def test_scalar_inputs_stay_0_d_through_seeding_and_the_file():
+    specs = [
+        InputSpec("sr", (), "int64"),
+        InputSpec("gain", (), "float32"),
+        InputSpec("state", (2, 1, 128), "float32"),
+    ]
+    made = seeded_inputs(KEY_A, specs)
+    assert [made[n].shape for n in ("sr", "gain", "state")] == [(), (), (2, 1, 128)]
+    assert isinstance(made["gain"], np.ndarray) and made["gain"].dtype == np.float32
+    assert made["sr"].dtype == np.int64
+    outputs = {"prob": np.float32(0.5) * np.ones(()), "stateN": made["state"]}
+    loaded = Reference.load(io.BytesIO(Reference(made, outputs).to_bytes()))
+    for name, value in {**made, **outputs}.items():
+        got = {**loaded.inputs, **loaded.outputs}[name]
+        assert got.shape == np.shape(value) and got.dtype == np.asarray(value).dtype
+
+
+def test_reference_inputs_meet_the_blob_s_inputs_by_name_with_their_exact_shapes():
+    """A 0-d input takes a 0-d array; a (1,)-shaped one (what np.ascontiguousarray makes of a
+    scalar) or a missing input is the harness's error, never the blob's failure."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from farm.edge.verify import HarnessError, _by_port
+
+    frames = ops.parameter([1, 4], ov.Type.f32, name="input")
+    rate = ops.parameter([], ov.Type.i64, name="sr")
+    mixed = ops.add(frames, ops.convert(rate, ov.Type.f32))
+    compiled = ov.Core().compile_model(ov.Model([mixed], [frames, rate]), "CPU")
+    audio = np.ones((1, 4), np.float32)
+    ordered = _by_port(compiled, {"sr": np.asarray(np.int64(16000)), "input": audio})
+    assert [a.shape for a in ordered] == [(1, 4), ()]
+    with pytest.raises(HarnessError, match=r"'sr' has shape \[1\]; the blob's input takes \[\]"):
+        _by_port(compiled, {"input": audio, "sr": np.array([16000], np.int64)})
+    with pytest.raises(HarnessError, match="the reference has 1 inputs"):
+        _by_port(compiled, {"input": audio})
+
+
+def test_an_inputs_file_keeps_0_d_arrays(tmp_path):
+    from farm.core.reference import load_inputs
+
+    path = tmp_path / "inputs.npz"
+    np.savez(path, sr=np.int64(16000), state=np.zeros((2, 1, 128), np.float32))
+    loaded = load_inputs(path)
+    assert loaded["sr"].shape == () and loaded["sr"].dtype == np.int64
+    assert loaded["state"].shape == (2, 1, 128)

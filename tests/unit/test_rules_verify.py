@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from farm.core.clock import now
 from farm.core.errors import Conflict, NotFound
 from farm.core.identity import key_for
 from farm.server.blobs import verifications
@@ -85,16 +86,91 @@ def test_a_second_failure_keeps_the_first_reason(embedded_farm):
     assert second.id != first.id
 
 
-def test_a_report_that_could_not_run_fails_whatever_it_says_about_passing(embedded_farm):
+def test_a_report_that_could_not_judge_the_blob_is_recorded_and_never_quarantines(
+    embedded_farm,
+):
+    """No false quarantine: an import out of memory, a missing device library, inputs that do
+    not fit are the harness's errors, not the blob's."""
     blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
     with embedded_farm.session() as session:
-        row, quarantined = verifications.record_verification(
-            session, key(1), blob.sha256, report(passed=True, error="RuntimeError: boom")
-        )
-        assert (row.passed, quarantined) == (False, True)
-    assert "could not run it: RuntimeError: boom" in (
-        blob_row(embedded_farm, key(1)).quarantine_reason or ""
+        for passed in (True, False):
+            row, quarantined = verifications.record_verification(
+                session,
+                key(1),
+                blob.sha256,
+                report(passed=passed, error="could not import the blob on NPU: out of memory"),
+            )
+            assert (row.passed, quarantined) == (False, False)
+    assert blob_row(embedded_farm, key(1)).quarantined_at is None
+
+
+def test_the_quarantine_reason_is_one_line_naming_the_worst_output(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    outputs = [
+        {
+            "name": "speech_probs",
+            "max_abs_error": 0.5,
+            "mean_abs_error": 0.2,
+            "cosine": 0.8,
+            "passed": False,
+        },
+        {
+            "name": "stateN",
+            "max_abs_error": 0.0,
+            "mean_abs_error": 0.0,
+            "cosine": 1.0,
+            "passed": True,
+        },
+    ]
+    failed = report(passed=False, outputs=outputs, device_name="NPU\nInjected: line")
+    with embedded_farm.session() as session:
+        row, quarantined = verifications.record_verification(session, key(1), blob.sha256, failed)
+    reason = blob_row(embedded_farm, key(1)).quarantine_reason or ""
+    assert quarantined and "\n" not in reason
+    assert f"verification {row.id} on NPU Injected: line (edge-1): output 'speech_probs'" in reason
+    assert "max abs error 0.5, cosine 0.800000; allowed atol=0.01" in reason
+
+
+def test_an_ok_pull_of_a_quarantined_blob_is_refused_a_failed_one_recorded(embedded_farm):
+    from farm.core.errors import BlobQuarantined
+    from farm.server.blobs.service import record_pull
+
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        record_pull(session, key(1), "edge-1", ok=True)
+        verifications.quarantine(session, key(1), "bad numbers")
+        with pytest.raises(BlobQuarantined, match="bad numbers"):
+            record_pull(session, key(1), "edge-1", ok=True)
+        record_pull(session, key(1), "edge-1", ok=False, error="BlobQuarantined: ...")
+        assert [p.ok for p in session.scalars(select(Pull).order_by(Pull.id))] == [True, False]
+
+
+def test_a_rebuild_into_the_same_bytes_stays_quarantined_only_an_admin_lifts_it(embedded_farm):
+    cache_key = key_for(IDENTITY, CPU, TOOLCHAIN)
+    blob = add_blob(embedded_farm, add_model(embedded_farm), cache_key)
+    with embedded_farm.session() as session:
+        verifications.record_verification(session, cache_key, blob.sha256, report(passed=False))
+        retire_quarantined(session, embedded_farm.store, IDENTITY, [CPU], TOOLCHAIN)
+        inherited = verifications.inherited_quarantine(session, cache_key, blob.sha256)
+        assert inherited is not None
+        assert inherited.startswith("rebuilt into the same bytes as the blob quarantined")
+        assert "outside tolerance" in inherited
+        assert verifications.inherited_quarantine(session, cache_key, "e" * 64) is None
+        assert verifications.inherited_quarantine(session, key(5), blob.sha256) is None
+
+
+def test_a_blob_collected_unquarantined_passes_on_no_quarantine(embedded_farm):
+    from datetime import timedelta
+
+    from farm.server.blobs import gc
+
+    blob = add_blob(
+        embedded_farm, add_model(embedded_farm), key(1), created_at=now() - timedelta(days=40)
     )
+    with embedded_farm.session() as session:
+        gc.collect(session, embedded_farm.store, unpulled_days=30)
+        assert session.scalars(select(BlobDeletion)).one().quarantine_reason is None
+        assert verifications.inherited_quarantine(session, key(1), blob.sha256) is None
 
 
 def test_a_report_about_other_bytes_or_no_blob_is_refused_and_records_nothing(embedded_farm):
@@ -280,6 +356,7 @@ def test_an_admin_deletes_only_a_quarantined_blob(embedded_farm):
         delete_quarantined(session, embedded_farm.store, key(1), "root@host")
         deletion = session.scalars(select(BlobDeletion)).one()
         assert deletion.reason == "deleted by root@host after quarantine: bad numbers"
+        assert deletion.quarantine_reason == "bad numbers"
     assert not embedded_farm.store.exists(blob_storage_key(key(1)))
 
 
@@ -311,3 +388,21 @@ def test_gc_deletes_a_blobs_reference_object_with_it(embedded_farm, tmp_path):
     assert report.blob_count == 1 and deletion.state == "deleted"
     assert deletion.reference_storage_key == reference_storage_key(key(1), "e" * 64)
     assert not embedded_farm.store.exists(reference_storage_key(key(1), "e" * 64))
+
+
+def test_a_pull_token_s_key_prefixes_see_blobs_only(embedded_farm):
+    """What a pull token's `GET /v1/cache-keys` is answered from: the keys of blobs, never of
+    jobs (a pull token cannot read jobs by their full key either)."""
+    from farm.server.blobs.service import cache_keys_starting_with
+    from tests.unit.conftest import add_job
+
+    model = add_model(embedded_farm)
+    add_blob(embedded_farm, model, key(1))
+    add_job(embedded_farm, model, 2)
+    with embedded_farm.session() as session:
+        for n in (1, 2):
+            prefix = key(n)[:8]
+            everything = cache_keys_starting_with(session, prefix, 6)
+            blobs_only = cache_keys_starting_with(session, prefix, 6, jobs=False)
+            assert everything == [key(n)]
+            assert blobs_only == ([key(1)] if n == 1 else [])

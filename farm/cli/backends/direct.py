@@ -30,6 +30,7 @@ from farm.server import doctor, pagination, tokens
 from farm.server.blobs import gc, resign, verifications
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
+from farm.server.blobs.signatures import signed_status
 from farm.server.channels import prebuild as prebuilds
 from farm.server.channels import service as channels
 from farm.server.channels import status as channel_status
@@ -54,6 +55,10 @@ from farm.server.views import (
 
 class Direct:
     """Embedded (compiles here, now) or served without the API (queues for workers)."""
+
+    reads_database = True
+    """An edge agent on this source reads quarantines from the database itself: it needs no
+    signed status (`farm.edge.agent_from_settings`)."""
 
     def __init__(self, farm: FarmContext) -> None:
         self.farm = farm
@@ -175,7 +180,9 @@ class Direct:
     def resolve(self, cache_key: str) -> dict[str, Any] | None:
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
-            return blob_dict(blob) if blob else None
+            if blob is None:
+                return None
+            return {**blob_dict(blob), "status": signed_status(blob, self.farm.status_signer)}
 
     def cache_keys(self, prefix: str) -> list[str]:
         with self._session() as session:

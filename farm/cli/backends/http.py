@@ -8,6 +8,7 @@ from typing import Any
 from farm.cli.backends import Advance, SubmitProgress
 from farm.client import FarmClient
 from farm.core.config import Settings
+from farm.core.errors import ApiError
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
 
@@ -56,7 +57,14 @@ class Http:
         return self.client.cache_keys(prefix)
 
     def latest_job(self, cache_key: str) -> dict[str, Any] | None:
-        jobs = self.client.jobs(cache_key=cache_key, limit=1)
+        """None also for a pull token, which may not read jobs: `farm status` on an edge
+        shows the blob."""
+        try:
+            jobs = self.client.jobs(cache_key=cache_key, limit=1)
+        except ApiError as error:
+            if error.status != 403:
+                raise
+            return None
         return jobs[0] if jobs else None
 
     def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:

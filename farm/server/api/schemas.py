@@ -177,6 +177,9 @@ class BlobOut(BaseModel):
     quarantined_at: datetime | None = None
     """Set: a verification failed (or an admin quarantined it); edges refuse it."""
     quarantine_reason: str | None = None
+    status: dict[str, Any] | None = None
+    """On a resolve: the blob's state (ok or quarantined), signed now by the farm's status key
+    with its expiry (`farm.core.status.BlobStatus`); what edges of this version act on."""
 
 
 class PullIn(Strict):

@@ -4,8 +4,11 @@ Only a quarantined blob is replaced: a blob the fleet trusts is never thrown awa
 submitter. Its objects are deleted first (the new job's upload goes to the same keys, and the
 store is write-once), then its row moves to `blob_deletions` with the reason, its pulls with
 it as `farm gc` does, while its verifications stay (their `blob_id` set null): the history of
-why it was replaced outlives it. The new job is then an ordinary submission. A quarantined blob
-is refused by every edge, so deleting its objects before the row harms no one.
+why it was replaced outlives it. The new job is then an ordinary submission; if it makes the
+same bytes, its blob starts quarantined with the old reason
+(`verifications.inherited_quarantine`): a rebuild replaces a blob, it never lifts a quarantine.
+A quarantined blob is refused by every edge, so deleting its objects before the row harms no
+one.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ def _retire(session: Session, store: BlobStore, blob: Blob, why: str) -> None:
             failed_pulls=failed,
             last_pulled_at=last_pulled_at,
             reason=f"{why}: {blob.quarantine_reason}",
+            quarantine_reason=blob.quarantine_reason,
             deleted_at=at,
             state="deleted",
             object_deleted_at=at,

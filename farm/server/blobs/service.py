@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from farm.core import hashing, keyprefix
 from farm.core.clock import now
-from farm.core.errors import IntegrityMismatch, NotFound
+from farm.core.errors import BlobQuarantined, IntegrityMismatch, NotFound
 from farm.core.spec import Target
 from farm.server import pagination
 from farm.server.db.models import Blob, Job, Pull
@@ -51,8 +51,11 @@ def record_pull(
     import_seconds: float | None = None,
     error: str | None = None,
 ) -> Pull:
-    """An edge's report of one pull: who, how long the import took, ok or why not."""
+    """An edge's report of one pull: who, how long the import took, ok or why not. An ok
+    pull of a quarantined blob is refused: edges refuse it, so the report is false."""
     blob = require(session, cache_key)
+    if ok:
+        refuse_quarantined(blob)
     pull = Pull(
         blob_id=blob.id,
         cache_key=cache_key,
@@ -96,6 +99,15 @@ def page_cursor(blobs: list[Blob], limit: int) -> str | None:
     return pagination.blob_cursor(blobs[-1].created_at, blobs[-1].id)
 
 
+def refuse_quarantined(blob: Blob) -> None:
+    """BlobQuarantined (409) for a quarantined blob: the API hands it to no edge."""
+    if blob.quarantined_at is not None:
+        raise BlobQuarantined(
+            f"blob {blob.cache_key} is quarantined: {blob.quarantine_reason}; the farm hands "
+            "it to no edge until an admin releases it (`farm blobs release`)"
+        )
+
+
 def require(session: Session, cache_key: str) -> Blob:
     """The blob stored for `cache_key`; NotFound when there is none."""
     blob = resolve(session, cache_key)
@@ -104,12 +116,15 @@ def require(session: Session, cache_key: str) -> Blob:
     return blob
 
 
-def cache_keys_starting_with(session: Session, prefix: str, limit: int) -> list[str]:
-    """Up to `limit` distinct cache keys of blobs and jobs that start with `prefix` (lower-case
-    hex, `farm.core.keyprefix`), in order: what a unique key prefix is resolved against."""
+def cache_keys_starting_with(
+    session: Session, prefix: str, limit: int, jobs: bool = True
+) -> list[str]:
+    """Up to `limit` distinct cache keys of blobs (and of jobs, unless `jobs` is False: what a
+    pull token may see) that start with `prefix` (lower-case hex, `farm.core.keyprefix`), in
+    order: what a unique key prefix is resolved against."""
     upper = keyprefix.upper_bound(prefix)
     found: set[str] = set()
-    for column in (Blob.cache_key, Job.cache_key):
+    for column in (Blob.cache_key, Job.cache_key) if jobs else (Blob.cache_key,):
         query = (
             select(column)
             .where(column >= prefix, column < upper)

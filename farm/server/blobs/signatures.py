@@ -3,13 +3,18 @@
 
 One place for the worker that records a blob and for `farm keys resign`, so what a key signs
 is always exactly what the row holds, and so what the API answers (farm/server/views.py).
+And the blob's status, signed fresh on every resolve by the API's status key
+(`signed_status`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+from farm.core.clock import now
 from farm.core.signing import Manifest, Signer
+from farm.core.status import StatusSigner
 from farm.server.db.models import Blob
 
 
@@ -51,3 +56,13 @@ def sign_reference(blob: Blob, signer: Signer | None) -> Blob:
         blob.cache_key, blob.sha256, blob.reference_sha256, blob.reference_size_bytes
     )
     return blob
+
+
+def signed_status(blob: Blob, signer: StatusSigner | None) -> dict[str, Any] | None:
+    """The row's status (ok, or quarantined) signed now, as a resolve answers it; None when
+    this farm signs no statuses (edges of this version then refuse the blob)."""
+    if signer is None:
+        return None
+    return signer.signed(
+        blob.cache_key, blob.sha256, blob.quarantined_at is not None, now().timestamp()
+    )

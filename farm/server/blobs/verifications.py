@@ -1,16 +1,21 @@
 """The fleet's verdicts on blobs: record an edge's verification, quarantine, release.
 
 A verification is an edge's run of a blob against the reference outputs its worker computed
-(`farm verify`). One that fails quarantines the blob for its whole target: a blob is built for
-one device class, so one device that catches it wrong is enough to stop it spreading; edges
-refuse a quarantined blob until an admin releases it, or a rebuild replaces it. The quarantine is
-a conditional UPDATE (only a blob not quarantined yet), so two failing reports at once keep the
-first one's reason. docs/architecture.md §14.
+(`farm verify`). One whose outputs are outside tolerance quarantines the blob for its whole
+target: a blob is built for one device class, so one device that catches it wrong is enough to
+stop it spreading; edges refuse a quarantined blob until an admin releases it. A verification
+that could not judge the blob (an `error`: no memory to import it, a missing device library,
+reference inputs that do not fit) is recorded and counts against nothing. The quarantine is a
+conditional UPDATE (only a blob not quarantined yet), so two failing reports at once keep the
+first one's reason. A blob recorded again with the bytes of one retired while quarantined starts
+quarantined (`inherited_quarantine`): a rebuild never lifts a quarantine, only an admin does.
+docs/architecture.md §14.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +28,7 @@ from farm.core.errors import Conflict, NotFound, TooManyReports
 from farm.core.spec import Target
 from farm.core.tolerance import default_tolerance
 from farm.server.blobs.service import require, resolve
-from farm.server.db.models import Blob, Verification
+from farm.server.db.models import Blob, BlobDeletion, Verification
 from farm.server.db.session import rows_changed
 
 log = logging.getLogger(__name__)
@@ -67,10 +72,11 @@ def record_verification(
     quarantine_on_failure: bool = True,
     limits: ReportLimits | None = None,
 ) -> tuple[Verification, bool]:
-    """Append an edge's report; a failed one quarantines the blob (unless
+    """Append an edge's report; one with outputs outside tolerance quarantines the blob (unless
     `quarantine_on_failure` is off, FARM_QUARANTINE_ON_FAILURE, or the report applied a
     tolerance stricter than the target's default: a failure by a rule of the edge's own says
-    nothing the fleet must act on). Returns the row and whether this report quarantined it. A
+    nothing the fleet must act on). A report with an `error` (the edge could not judge the
+    blob) never quarantines. Returns the row and whether this report quarantined it. A
     report about other bytes than the blob recorded now (a blob since rebuilt) is refused: it
     says nothing about this one. Past `limits`: TooManyReports."""
     blob = require(session, cache_key)
@@ -94,7 +100,8 @@ def record_verification(
     session.add(verification)
     session.flush()
     quarantined = False
-    if not passed and quarantine_on_failure and not _stricter(report, blob.target):
+    outside_tolerance = not passed and report.get("error") is None
+    if outside_tolerance and quarantine_on_failure and not _stricter(report, blob.target):
         quarantined = _quarantine(session, blob, _failure_reason(verification))
     session.commit()
     return verification, quarantined
@@ -194,16 +201,52 @@ def _quarantine(session: Session, blob: Blob, reason: str) -> bool:
     )
 
 
+def inherited_quarantine(session: Session, cache_key: str, sha256: str) -> str | None:
+    """The quarantine reason a new blob of `cache_key` with these bytes starts with: that of the
+    last blob of the same key and bytes retired while quarantined (`--rebuild`, `farm blobs
+    delete`). CPU compiles are deterministic: a rebuild that makes the same bytes makes the same
+    blob, and only an admin lifts its quarantine. None: no such blob."""
+    earlier = session.execute(
+        select(BlobDeletion.quarantine_reason, BlobDeletion.deleted_at)
+        .where(
+            BlobDeletion.cache_key == cache_key,
+            BlobDeletion.sha256 == sha256,
+            BlobDeletion.quarantine_reason.is_not(None),
+        )
+        .order_by(BlobDeletion.id.desc())
+        .limit(1)
+    ).first()
+    if earlier is None:
+        return None
+    reason, deleted_at = earlier
+    return _one_line(
+        f"rebuilt into the same bytes as the blob quarantined before it (retired "
+        f"{deleted_at:%Y-%m-%d %H:%M} UTC): {reason}"
+    )
+
+
 def _failure_reason(verification: Verification) -> str:
+    """One readable line: who found what, the worst output by the model's own name."""
     where = (
         f"verification {verification.id} on {verification.device_name} ({verification.agent_id})"
     )
-    if verification.error:
-        return f"{where} could not run it: {verification.error}"
-    return (
-        f"{where} was outside tolerance: max abs error {_figure(verification.max_abs_error)}, "
-        f"cosine {_figure(verification.min_cosine, '.6f')}"
+    failing = [o for o in verification.outputs or [] if not o.get("passed", True)]
+    worst = max(failing, key=lambda o: o.get("max_abs_error") or math.inf, default=None)
+    what = f"output {worst.get('name')!r} " if worst else ""
+    error = worst.get("max_abs_error") if worst else verification.max_abs_error
+    cosine = worst.get("cosine") if worst else verification.min_cosine
+    tolerance = verification.tolerance or {}
+    return _one_line(
+        f"{where}: {what}outside tolerance (max abs error {_figure(error)}, cosine "
+        f"{_figure(cosine, '.6f')}; allowed atol={tolerance.get('atol')} "
+        f"rtol={tolerance.get('rtol')} cosine>={tolerance.get('min_cosine')})"
     )
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """`text` on one line of at most `limit` characters (a reason is shown in listings)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _figure(value: float | None, spec: str = ".3g") -> str:

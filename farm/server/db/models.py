@@ -508,6 +508,11 @@ class BlobDeletion(Base):
     reference_storage_key: Mapped[str | None] = mapped_column(
         Text, comment="Object key of its reference outputs, deleted with it; null: none."
     )
+    quarantine_reason: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Its quarantine reason when it was retired while quarantined (a rebuild "
+        "into the same bytes starts quarantined with it); null: it was not quarantined.",
+    )
 
 
 class ModelUpload(Base):

@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 
 from farm.core.errors import ModelError
-from farm.core.reference import InputSpec, Reference, load_inputs, seeded_inputs
+from farm.core.reference import InputSpec, Reference, load_inputs, output_label, seeded_inputs
 from farm.core.spec import CompileSpec
 from farm.prepare import apply_shapes, read_model
 from farm.toolchain import last_line
@@ -71,10 +71,10 @@ def compute_reference(
     except Exception as error:  # OpenVINO raises RuntimeError for any refusal
         why = f"no reference outputs: the CPU run failed: {last_line(error)}"
         raise ReferenceSkipped(why) from error
-    outputs = {}
-    for index, port in enumerate(compiled.outputs):
-        name = port.get_any_name() if port.get_names() else f"output{index}"
-        outputs[name] = np.array(results[port], copy=True)
+    outputs = {
+        output_label(port.get_names(), index): np.array(results[port], copy=True)
+        for index, port in enumerate(compiled.outputs)
+    }
     return Reference(inputs, outputs).save(out_path)
 
 

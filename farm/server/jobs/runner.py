@@ -43,6 +43,7 @@ from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.core.vocabulary import JobState
 from farm.server.blobs.signatures import sign_reference, sign_row
+from farm.server.blobs.verifications import inherited_quarantine
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
@@ -483,6 +484,8 @@ def _record_blob(
             )
         )
         sign_row(blob, signer, model_row.files)  # the manifest of the row's own fields
+        blob.quarantine_reason = inherited_quarantine(session, job.cache_key, stored.sha256)
+        blob.quarantined_at = at if blob.quarantine_reason else None
         stored_reference, blob.reference_note = reference
         if stored_reference is not None:
             blob.reference_sha256 = stored_reference.sha256

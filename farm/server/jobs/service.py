@@ -259,6 +259,8 @@ def _record_matrix(
         ]
         retire_quarantined(session, store, identity, compilable, toolchain)
     known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
+    if reference_inputs is not None:
+        known = [_note_unused_inputs(session, outcome, reference_inputs) for outcome in known]
     if refuse_uncompilable:
         for index, (spec, outcome) in enumerate(zip(specs, known, strict=True)):
             reason = _cannot_compile_here(spec.target, toolchain) if outcome is None else None
@@ -438,6 +440,32 @@ def _send_new_jobs(
             # reach a CLI's stderr (Python's last-resort handler) beside it.
             log.info("%s; jobs %s stay unsent", error, [job for job, _ in jobs])
             return
+
+
+def _note_unused_inputs(
+    session: Session, outcome: Submission | None, reference_inputs: str
+) -> Submission | None:
+    """A hit for which the submitter gave reference inputs, with the reason they were not used
+    (unless its blob's reference was computed from these very inputs): a reference is computed
+    with the compile, and the blob exists already."""
+    if outcome is None or outcome.outcome != "hit":
+        return outcome
+    used = session.scalar(
+        select(Job.reference_inputs)
+        .where(Job.cache_key == outcome.cache_key, Job.state == JobState.SUCCEEDED)
+        .order_by(Job.id.desc())
+        .limit(1)
+    )
+    if used == reference_inputs:
+        return outcome
+    before = "other --inputs" if used else "inputs seeded from the cache key"
+    why = (
+        f"--inputs not used: blob {outcome.cache_key} exists already, and its reference outputs "
+        f"were computed with {before} when it was compiled. A reference is computed only with "
+        "a compile: once an admin quarantines the blob (`farm blobs quarantine`), "
+        "`farm submit --rebuild --inputs FILE` compiles it again with these inputs"
+    )
+    return Submission("hit", outcome.cache_key, reason=why)
 
 
 def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:

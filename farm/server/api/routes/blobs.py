@@ -19,6 +19,7 @@ from farm.server.api.deps import (
 from farm.server.api.schemas import BlobOut, PullIn, QuarantineIn, Sha256, Text, VerificationIn
 from farm.server.blobs import service, verifications
 from farm.server.blobs.rebuild import delete_quarantined
+from farm.server.blobs.signatures import signed_status
 from farm.server.pagination import MAX_PAGE
 from farm.server.storage import LocalPaths, Presigning, presign_seconds, reference_storage_key
 from farm.server.tokens import Caller
@@ -48,21 +49,26 @@ def list_blobs(
 
 @router.get("/v1/blobs/{cache_key}", responses={404: {}})
 def resolve(cache_key: Sha256, farm: Farm, _: PullCaller) -> BlobOut:
-    """Cache key → blob metadata (target, toolchain, size, sha256, created)."""
+    """Cache key → blob metadata (target, toolchain, size, sha256, created), and its status
+    (ok or quarantined) signed now by the farm's status key: what edges act on."""
     with farm.session() as session:
-        return BlobOut(**blob_dict(service.require(session, cache_key)))
+        blob = service.require(session, cache_key)
+        return BlobOut(**blob_dict(blob), status=signed_status(blob, farm.status_signer))
 
 
 @router.get(
     "/v1/blobs/{cache_key}/download",
     response_model=None,
-    responses={307: {"description": "Redirect to a presigned URL"}, 404: {}},
+    responses={307: {"description": "Redirect to a presigned URL"}, 404: {}, 409: {}},
 )
 def download(cache_key: Sha256, farm: Farm, caller: PullCaller) -> RedirectResponse | FileResponse:
     """A presigned URL (S3), or the file itself with HTTP Range support (local store). The URL
-    lives FARM_PRESIGN_SECONDS at most, and never past the token's expiry."""
+    lives FARM_PRESIGN_SECONDS at most, and never past the token's expiry. None for a
+    quarantined blob (409 `quarantined`), but to an admin, who investigates it."""
     with farm.session() as session:
         blob = service.require(session, cache_key)
+        if not caller.may("admin"):
+            service.refuse_quarantined(blob)
     return _object(farm, caller, blob.storage_key, f"{cache_key}.blob", blob.sha256)
 
 
@@ -100,9 +106,10 @@ def _object(
     )
 
 
-@router.post("/v1/blobs/{cache_key}/pulls", status_code=201, responses={404: {}})
+@router.post("/v1/blobs/{cache_key}/pulls", status_code=201, responses={404: {}, 409: {}})
 def report_pull(cache_key: Sha256, body: PullIn, farm: Farm, _: PullCaller) -> dict[str, Any]:
-    """An edge reports one pull: who, import seconds, ok or the error."""
+    """An edge reports one pull: who, import seconds, ok or the error. An ok pull of a
+    quarantined blob is refused (409 `quarantined`): no edge may have imported it."""
     with farm.session() as session:
         pull = service.record_pull(
             session, cache_key, body.agent_id, body.ok, body.import_seconds, body.error
