@@ -5,6 +5,7 @@ size limit that the runner checks again before anything is uploaded."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,11 @@ def test_the_compile_child_environment_is_an_allowlist_without_worker_secrets(tm
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a worker running as root switches user")
 def test_a_root_worker_compiles_as_nobody_unless_told_otherwise():
-    nobody = (65534, 65534)
+    nobody = sandbox.ChildUser(65534, 65534)
     assert sandbox.compile_identity() == nobody
     assert sandbox.compile_identity("nobody") == nobody
     assert sandbox.compile_identity("65534") == nobody
-    assert sandbox.compile_identity("4242") == (4242, 4242)  # a uid with no passwd entry
+    assert sandbox.compile_identity("4242") == sandbox.ChildUser(4242, 4242)  # no passwd entry
     assert sandbox.compile_identity("root") is None
     assert sandbox.compile_identity("0") is None
     with pytest.raises(SandboxUnavailable, match=r"no user 'no-such-user' .*FARM_COMPILE_USER"):
@@ -82,6 +83,46 @@ def test_a_root_worker_compiles_as_nobody_unless_told_otherwise():
 def test_a_worker_that_is_not_root_compiles_as_itself():
     assert sandbox.compile_identity() is None
     assert sandbox.compile_identity("nobody") is None
+
+
+def test_a_launcher_is_used_only_by_a_worker_that_is_not_root(tmp_path, monkeypatch):
+    launcher = tmp_path / "compile-launcher"
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o750)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert sandbox.compile_identity("4242", launcher) == sandbox.ChildUser(4242, 4242)
+    monkeypatch.setattr(os, "geteuid", lambda: 10001)
+    monkeypatch.setattr(os, "getuid", lambda: 10001)
+    assert sandbox.compile_identity("4242", launcher) == sandbox.ChildUser(4242, 4242, launcher)
+    assert sandbox.compile_identity("4242") is None  # no launcher: the worker's own user
+    for itself in ("10001", "root"):
+        with pytest.raises(SandboxUnavailable, match=r"must name a user of its own"):
+            sandbox.compile_identity(itself, launcher)
+    with pytest.raises(SandboxUnavailable, match=r"FARM_COMPILE_LAUNCHER .* is not an exec"):
+        sandbox.compile_identity("4242", tmp_path / "missing")
+    assert "FARM_COMPILE_LAUNCHER is unset" in sandbox.warn_if_compiles_as_worker(None)
+    assert sandbox.warn_if_compiles_as_worker(launcher) is None
+    command = sandbox._launched(sandbox.ChildUser(4242, 4243, launcher), ["python", "-P"])
+    assert command == [
+        str(launcher),
+        "--reuid=4242",
+        "--regid=4243",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--no-new-privs",
+        "--",
+        "python",
+        "-P",
+    ]
+    # The C library drops these when it starts the launcher (file capabilities): set again.
+    env = {"LD_LIBRARY_PATH": "/opt/ov", "TMPDIR": "/tmp/box", "PATH": "/usr/bin"}
+    again = sandbox._launched(sandbox.ChildUser(4242, 4243, launcher), ["python"], env)
+    assert again[again.index("--") + 1 :] == [
+        shutil.which("env"),
+        "LD_LIBRARY_PATH=/opt/ov",
+        "TMPDIR=/tmp/box",
+        "python",
+    ]
 
 
 def test_the_blob_limit_is_four_times_the_model_plus_256_mib_unless_set():
