@@ -516,7 +516,8 @@ def _launched(
     if identity is None or identity.launcher is None:
         return command
     ids = [f"--reuid={identity.uid}", f"--regid={identity.gid}"]
-    kept = [f"{name}={env[name]}" for name in _SECURE_EXEC_DROPS if name in (env or {})]
+    env = env or {}
+    kept = [f"{name}={env[name]}" for name in _SECURE_EXEC_DROPS if name in env]
     restore = [shutil.which("env") or "/usr/bin/env", *kept] if kept else []
     return [str(identity.launcher), *ids, *LAUNCHER_OPTIONS, "--", *restore, *command]
 
