@@ -9,11 +9,13 @@ Needs root to create the users (tests run as root here and in CI); elsewhere it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -64,10 +66,15 @@ def users() -> Iterator[Users]:
         home = Path(tempfile.mkdtemp(prefix="farm-worker-"))
         entry = pwd.getpwnam(worker)
         os.chown(home, entry.pw_uid, entry.pw_gid)
-        yield Users(entry, pwd.getpwnam(compile_user), launcher, home)
+        users = Users(entry, pwd.getpwnam(compile_user), launcher, home)
+        yield users
         shutil.rmtree(home, ignore_errors=True)
     finally:
         for name in (worker, compile_user):
+            with contextlib.suppress(KeyError):  # what a failed test left running as them
+                for pid in _pids_of(pwd.getpwnam(name).pw_uid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             subprocess.run(["userdel", name], check=False, capture_output=True)
             subprocess.run(["groupdel", name], check=False, capture_output=True)
         shutil.rmtree(tools, ignore_errors=True)
@@ -166,6 +173,7 @@ def test_a_compile_that_takes_over_its_child_gets_no_secret_from_a_non_root_work
         "dirs": [str(cache_dir / "models"), str(keys)],
         "pids": [worker.pid],
         "commands": [[str(users.launcher), f"--reuid={worker_uid}", "--", "/bin/true"]],
+        "linger": True,
     }
     hostile = hostile_ir(tmp_path / "hostile" / "hostile.xml", targets)
     job = served.farm_json("submit", str(hostile), "-d", "CPU", "--wait")["job"]
@@ -193,3 +201,25 @@ def test_a_compile_that_takes_over_its_child_gets_no_secret_from_a_non_root_work
     assert served.settings.s3_secret_access_key not in log
     [blob] = [b for b in served.blobs() if b.cache_key == job["cache_key"]]
     assert blob.signature
+    # What it left running in its process group was killed with it (by the compile user).
+    assert _processes_of(users.compile.pw_uid) == []
+
+
+def _processes_of(uid: int) -> list[str]:
+    found = []
+    for pid in _pids_of(uid):
+        with contextlib.suppress(OSError):
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+    return found
+
+
+def _pids_of(uid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        if f"\nUid:\t{uid}\t" in status:
+            found.append(int(entry))
+    return found

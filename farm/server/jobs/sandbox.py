@@ -289,9 +289,10 @@ def _child_in_box(
         )
         yield _ChildRun(box, log_path, result_path, returncode, timed_out)
     finally:
-        if identity and identity.launcher:  # what the child made in its box is its own
-            _as_compile_user(identity, "--empty", str(box))
         shutil.rmtree(box, ignore_errors=True)
+        if box.exists() and identity and identity.launcher:  # folders the child made are its own
+            _as_compile_user(identity, "--empty", str(box))
+            shutil.rmtree(box, ignore_errors=True)
 
 
 def _run_child(
@@ -335,10 +336,24 @@ def _run_child(
                     return -signal.SIGKILL, True
         finally:
             # Not yet collected, the child's pid (its process group's id) is still its own.
-            _kill_group(child.pid, identity)
+            _kill_group(child.pid, identity, _has_exited(exited, child.pid, 0))
             child.wait()
             os.close(exited)
     return child.returncode, False
+
+
+def _group_members(pgid: int) -> set[int]:
+    """The processes of process group `pgid` (``/proc/<pid>/stat``, readable for any process)."""
+    members = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
+                members.add(int(entry))
+    return members
 
 
 def _exit_watch(pid: int) -> int:
@@ -358,11 +373,12 @@ def _has_exited(watch: int, pid: int, timeout: float) -> bool:
     return ended is not None
 
 
-def _kill_group(pgid: int, identity: ChildUser | None) -> None:
-    """SIGKILL process group `pgid` (the child and whatever it started), as the child's user
-    when this process may not signal it."""
+def _kill_group(pgid: int, identity: ChildUser | None, leader_exited: bool) -> None:
+    """SIGKILL process group `pgid` (the child, its leader, and whatever it started), as the
+    child's user when this process may not signal it (only when something is left to kill)."""
     if identity and identity.launcher:
-        _as_compile_user(identity, "--kill", str(pgid))
+        if not leader_exited or _group_members(pgid) - {pgid}:
+            _as_compile_user(identity, "--kill", str(pgid))
     else:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
