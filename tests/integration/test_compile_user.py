@@ -226,3 +226,59 @@ def _pids_of(uid: int) -> list[int]:
         if f"\nUid:\t{uid}\t" in status:
             found.append(int(entry))
     return found
+
+
+STOPPED_IN_TIME = """
+import sys, time
+from pathlib import Path
+from farm.core.errors import CompileTimeout
+from farm.core.hashing import model_files
+from farm.core.spec import CompileSpec
+from farm.server.jobs import sandbox
+started = time.monotonic()
+try:
+    sandbox.compile_in_child(
+        model_files(Path(sys.argv[1])), CompileSpec.create("CPU"), Path(sys.argv[2]), "k",
+        timeout_seconds=1, compile_user=sys.argv[3], compile_launcher=Path(sys.argv[4]),
+    )
+except CompileTimeout:
+    print(f"stopped after {time.monotonic() - started:.1f} s")
+"""
+
+
+def test_a_non_root_worker_stops_its_compile_child_of_another_uid_at_its_time_limit(
+    users, python, tmp_path
+):
+    worker_uid, worker_gid = users.worker.pw_uid, users.worker.pw_gid
+    xml = hostile_ir(users.home / "m" / "hangs.xml", {"hang": 600})  # the compile never ends
+    for path in (users.home, xml.parent, xml, xml.with_suffix(".bin")):
+        os.chown(path, worker_uid, worker_gid)
+    as_worker = ["setpriv", f"--reuid={worker_uid}", f"--regid={worker_gid}", "--init-groups"]
+    done = subprocess.run(
+        [
+            *as_worker,
+            python.executable,
+            "-c",
+            STOPPED_IN_TIME,
+            str(xml),
+            str(users.home / "out"),
+            users.compile.pw_name,
+            str(users.launcher),
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            **python.env,
+            "HOME": str(users.home),
+            "TMPDIR": "/tmp",
+            "PYTHONPATH": str(EXPLOIT),
+        },
+        cwd="/",
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("stopped after "), done.stdout + done.stderr
+    assert float(done.stdout.split()[2]) < 30
+    assert _processes_of(users.compile.pw_uid) == []  # killed, through the launcher

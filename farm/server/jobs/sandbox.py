@@ -49,6 +49,7 @@ import ctypes
 import errno
 import io
 import json
+import logging
 import os
 import pwd
 import resource
@@ -70,6 +71,7 @@ from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.processes import die_with_parent as _die_with_parent
 
+log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 CPU = Target.parse("CPU")
 """Where reference outputs are computed, whatever the blob's target."""
@@ -497,7 +499,7 @@ def compile_identity(
             "with FARM_COMPILE_LAUNCHER it must name a user of its own (farm-compile in the "
             "Docker image)"
         )
-    if not os.access(launcher, os.X_OK):  # type: ignore[arg-type]
+    if launcher is None or not os.access(launcher, os.X_OK):
         raise errors.SandboxUnavailable(
             f"FARM_COMPILE_LAUNCHER {launcher} is not an executable this user ({os.getuid()}) "
             "may run: install it as docker/Dockerfile does (a copy of setpriv, group of the "
@@ -540,20 +542,26 @@ def _launched(
 
 def _as_compile_user(identity: ChildUser, *arguments: str) -> None:
     """Run this module's `_service` as the compile user: what the worker may not do to the
-    child's processes and files itself (another uid)."""
+    child's processes and files itself (another uid). A failure is logged, not raised: the
+    job's outcome is decided already."""
     command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *arguments]
     env = child_environment(os.environ, Path("/"))
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(
+    try:
+        done = subprocess.run(
             _launched(identity, command, env),
             cwd="/",
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            capture_output=True,
             timeout=60,
             check=False,
         )
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("could not run %s as the compile user: %s", " ".join(arguments), error)
+        return
+    if done.returncode != 0:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        log.warning("%s as the compile user failed (%d): %s", arguments[0], done.returncode, last)
 
 
 BOX_ROOTS = ("/tmp", "/var/tmp")
