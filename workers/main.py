@@ -19,7 +19,7 @@ from farm.core.spec import Target
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
 from farm.server.doctor import require_services, signing_check
-from farm.server.jobs.sandbox import warn_if_compiles_as_worker
+from farm.server.jobs.compile_user import warn_if_compiles_as_worker
 from farm.server.processes import die_with_parent, name_process
 
 from . import tasks

@@ -17,7 +17,7 @@ from farm.core.config import Settings
 from farm.core.errors import SandboxUnavailable
 from farm.server.context import FarmContext
 from farm.server.db.models import Blob, Job
-from farm.server.jobs import runner, sandbox
+from farm.server.jobs import compile_user, runner, sandbox
 from farm.server.jobs.compiler import CompileResult
 from farm.server.jobs.runner import RunLimits, blob_size_limit, run_job
 from farm.server.jobs.service import submit_matrix
@@ -68,21 +68,23 @@ def test_the_compile_child_environment_is_an_allowlist_without_worker_secrets(tm
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a worker running as root switches user")
 def test_a_root_worker_compiles_as_nobody_unless_told_otherwise():
-    nobody = sandbox.ChildUser(65534, 65534)
-    assert sandbox.compile_identity() == nobody
-    assert sandbox.compile_identity("nobody") == nobody
-    assert sandbox.compile_identity("65534") == nobody
-    assert sandbox.compile_identity("4242") == sandbox.ChildUser(4242, 4242)  # no passwd entry
-    assert sandbox.compile_identity("root") is None
-    assert sandbox.compile_identity("0") is None
+    nobody = compile_user.ChildUser(65534, 65534)
+    assert compile_user.compile_identity() == nobody
+    assert compile_user.compile_identity("nobody") == nobody
+    assert compile_user.compile_identity("65534") == nobody
+    assert compile_user.compile_identity("4242") == compile_user.ChildUser(
+        4242, 4242
+    )  # no passwd entry
+    assert compile_user.compile_identity("root") is None
+    assert compile_user.compile_identity("0") is None
     with pytest.raises(SandboxUnavailable, match=r"no user 'no-such-user' .*FARM_COMPILE_USER"):
-        sandbox.compile_identity("no-such-user")
+        compile_user.compile_identity("no-such-user")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="checks a worker that is not root")
 def test_a_worker_that_is_not_root_compiles_as_itself():
-    assert sandbox.compile_identity() is None
-    assert sandbox.compile_identity("nobody") is None
+    assert compile_user.compile_identity() is None
+    assert compile_user.compile_identity("nobody") is None
 
 
 def test_a_launcher_is_used_only_by_a_worker_that_is_not_root(tmp_path, monkeypatch):
@@ -90,19 +92,21 @@ def test_a_launcher_is_used_only_by_a_worker_that_is_not_root(tmp_path, monkeypa
     launcher.write_text("#!/bin/sh\n")
     launcher.chmod(0o750)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert sandbox.compile_identity("4242", launcher) == sandbox.ChildUser(4242, 4242)
+    assert compile_user.compile_identity("4242", launcher) == compile_user.ChildUser(4242, 4242)
     monkeypatch.setattr(os, "geteuid", lambda: 10001)
     monkeypatch.setattr(os, "getuid", lambda: 10001)
-    assert sandbox.compile_identity("4242", launcher) == sandbox.ChildUser(4242, 4242, launcher)
-    assert sandbox.compile_identity("4242") is None  # no launcher: the worker's own user
+    assert compile_user.compile_identity("4242", launcher) == compile_user.ChildUser(
+        4242, 4242, launcher
+    )
+    assert compile_user.compile_identity("4242") is None  # no launcher: the worker's own user
     for itself in ("10001", "root"):
         with pytest.raises(SandboxUnavailable, match=r"must name a user of its own"):
-            sandbox.compile_identity(itself, launcher)
+            compile_user.compile_identity(itself, launcher)
     with pytest.raises(SandboxUnavailable, match=r"FARM_COMPILE_LAUNCHER .* is not an exec"):
-        sandbox.compile_identity("4242", tmp_path / "missing")
-    assert "FARM_COMPILE_LAUNCHER is unset" in sandbox.warn_if_compiles_as_worker(None)
-    assert sandbox.warn_if_compiles_as_worker(launcher) is None
-    command = sandbox._launched(sandbox.ChildUser(4242, 4243, launcher), ["python", "-P"])
+        compile_user.compile_identity("4242", tmp_path / "missing")
+    assert "FARM_COMPILE_LAUNCHER is unset" in compile_user.warn_if_compiles_as_worker(None)
+    assert compile_user.warn_if_compiles_as_worker(launcher) is None
+    command = compile_user.launched(compile_user.ChildUser(4242, 4243, launcher), ["python", "-P"])
     assert command == [
         str(launcher),
         "--reuid=4242",
@@ -116,7 +120,7 @@ def test_a_launcher_is_used_only_by_a_worker_that_is_not_root(tmp_path, monkeypa
     ]
     # The C library drops these when it starts the launcher (file capabilities): set again.
     env = {"LD_LIBRARY_PATH": "/opt/ov", "TMPDIR": "/tmp/box", "PATH": "/usr/bin"}
-    again = sandbox._launched(sandbox.ChildUser(4242, 4243, launcher), ["python"], env)
+    again = compile_user.launched(compile_user.ChildUser(4242, 4243, launcher), ["python"], env)
     assert again[again.index("--") + 1 :] == [
         shutil.which("env"),
         "LD_LIBRARY_PATH=/opt/ov",

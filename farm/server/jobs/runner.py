@@ -80,9 +80,9 @@ class RunLimits:
     max_blob_bytes: int | None = None
     """Size limit of a blob; None: `blob_size_limit`'s default, from the model's size."""
     compile_user: str | None = None
-    """Who compiles (`sandbox.compile_identity`; None: nobody)."""
+    """Who compiles (`compile_user.compile_identity`; None: nobody)."""
     compile_launcher: Path | None = None
-    """How a worker that is not root becomes compile_user (`sandbox.compile_identity`)."""
+    """How a worker that is not root becomes compile_user (`compile_user.compile_identity`)."""
     reference_outputs: bool = True
     """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
 

@@ -23,7 +23,7 @@ read neither the signing key (mode 0600, the worker's) nor ``/proc/<worker>/envi
   (``FARM_COMPILE_LAUNCHER``: a copy of util-linux ``setpriv`` with the file capabilities
   ``cap_setuid,cap_setgid``, executable only by the worker's group), which drops to that user
   before Python starts. Such a worker cannot signal its child (another uid), so it stops it,
-  and empties its folder, through the launcher too (`_as_compile_user`).
+  and empties its folder, through the launcher too (`farm.server.jobs.compile_user`).
 The child works in a folder of its own (the box) that holds its model files and the blob it
 writes: hard links to the model files where that user may read them, else read-only copies.
 The box belongs to that user (root worker) or to the worker with that user's group (launcher).
@@ -51,7 +51,6 @@ import io
 import json
 import logging
 import os
-import pwd
 import resource
 import select
 import shutil
@@ -69,6 +68,13 @@ from pathlib import Path
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.server.jobs.compile_user import (
+    ChildUser,
+    as_compile_user,
+    compile_identity,
+    kill_group,
+    launched,
+)
 from farm.server.processes import die_with_parent as _die_with_parent
 
 log = logging.getLogger(__name__)
@@ -87,8 +93,6 @@ _MEMORY_SIGNS = (
 """How an allocation refused by ``RLIMIT_AS`` shows in the errors of a compile (measured)."""
 
 
-DEFAULT_COMPILE_USER = "nobody"
-"""Who compiles when the worker runs as root and FARM_COMPILE_USER is unset."""
 ENV_NAMES = frozenset(
     {
         "PATH",
@@ -293,7 +297,7 @@ def _child_in_box(
     finally:
         shutil.rmtree(box, ignore_errors=True)
         if box.exists() and identity and identity.launcher:  # folders the child made are its own
-            _as_compile_user(identity, "--empty", str(box))
+            as_compile_user(identity, child_environment(os.environ, Path("/")), "--empty", str(box))
             shutil.rmtree(box, ignore_errors=True)
 
 
@@ -320,7 +324,7 @@ def _run_child(
         command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *map(str, fds)]
         env = child_environment(os.environ, box)
         child = subprocess.Popen(
-            _launched(identity, command, env),
+            launched(identity, command, env),
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=box,
@@ -338,24 +342,10 @@ def _run_child(
                     return -signal.SIGKILL, True
         finally:
             # Not yet collected, the child's pid (its process group's id) is still its own.
-            _kill_group(child.pid, identity, _has_exited(exited, child.pid, 0))
+            kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
             child.wait()
             os.close(exited)
     return child.returncode, False
-
-
-def _group_members(pgid: int) -> set[int]:
-    """The processes of process group `pgid` (``/proc/<pid>/stat``, readable for any process)."""
-    members = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # ended meanwhile
-            if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
-                members.add(int(entry))
-    return members
 
 
 def _exit_watch(pid: int) -> int:
@@ -373,17 +363,6 @@ def _has_exited(watch: int, pid: int, timeout: float) -> bool:
     except ChildProcessError:
         return True
     return ended is not None
-
-
-def _kill_group(pgid: int, identity: ChildUser | None, leader_exited: bool) -> None:
-    """SIGKILL process group `pgid` (the child, its leader, and whatever it started), as the
-    child's user when this process may not signal it (only when something is left to kill)."""
-    if identity and identity.launcher:
-        if not leader_exited or _group_members(pgid) - {pgid}:
-            _as_compile_user(identity, "--kill", str(pgid))
-    else:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
 
 
 def _death(
@@ -452,116 +431,6 @@ def child_environment(environ: Mapping[str, str], home: Path) -> dict[str, str]:
     }
     # No bytecode written by a user that cannot write the install anyway.
     return {**kept, "HOME": str(home), "TMPDIR": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
-
-
-@dataclass(frozen=True)
-class ChildUser:
-    """Who the compile child runs as, and how it becomes that user: through `launcher` (a
-    worker that is not root), or by switching itself (None: a worker running as root)."""
-
-    uid: int
-    gid: int
-    launcher: Path | None = None
-
-
-LAUNCHER_OPTIONS = ("--clear-groups", "--inh-caps=-all", "--no-new-privs")
-"""What the launcher (``setpriv``) does besides setting the uid and gid: no supplementary
-groups (not the worker's), no capabilities to pass on, none to gain from any later exec."""
-
-
-def compile_identity(
-    compile_user: str | None = None, launcher: Path | None = None
-) -> ChildUser | None:
-    """Who the compile child runs as, or None: it stays who the worker is.
-
-    A worker running as root switches to `compile_user` (a name or a uid; default nobody);
-    ``root`` or uid 0 keeps root. A worker that is not root switches only through `launcher`
-    (FARM_COMPILE_LAUNCHER), to `compile_user`; without one its child is the worker's user,
-    which can read what the worker can (its signing key): `warn_if_compiles_as_worker`."""
-    if os.geteuid() != 0 and launcher is None:
-        return None
-    name = compile_user or DEFAULT_COMPILE_USER
-    try:
-        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
-        uid, gid = entry.pw_uid, entry.pw_gid
-    except KeyError:
-        if not name.isdigit():
-            raise errors.SandboxUnavailable(
-                f"no user {name!r} on this host to run compiles as (FARM_COMPILE_USER): create "
-                "it, or name an existing unprivileged user or a numeric uid"
-            ) from None
-        uid = gid = int(name)  # a uid of its own, with no entry in /etc/passwd
-    if os.geteuid() == 0:
-        return None if uid == 0 else ChildUser(uid, gid)
-    if uid in (0, os.getuid()):
-        raise errors.SandboxUnavailable(
-            f"FARM_COMPILE_USER {name!r} is {'root' if uid == 0 else 'the worker itself'}: "
-            "with FARM_COMPILE_LAUNCHER it must name a user of its own (farm-compile in the "
-            "Docker image)"
-        )
-    if launcher is None or not os.access(launcher, os.X_OK):
-        raise errors.SandboxUnavailable(
-            f"FARM_COMPILE_LAUNCHER {launcher} is not an executable this user ({os.getuid()}) "
-            "may run: install it as docker/Dockerfile does (a copy of setpriv, group of the "
-            "worker, mode 0750, cap_setuid,cap_setgid+ep), or unset it"
-        )
-    return ChildUser(uid, gid, launcher)
-
-
-def warn_if_compiles_as_worker(compile_launcher: Path | None) -> str | None:
-    """The warning a worker logs at start when its compile child would run as the worker's
-    own user (not root, no launcher), or None."""
-    if os.geteuid() == 0 or compile_launcher is not None:
-        return None
-    return (
-        "this worker is not root and FARM_COMPILE_LAUNCHER is unset: compiles run as the "
-        "worker's own user, so a model that took over the compiler could read what the worker "
-        "can (its signing key, its environment); set FARM_COMPILE_LAUNCHER and "
-        "FARM_COMPILE_USER as the Docker image does (SECURITY.md)"
-    )
-
-
-_SECURE_EXEC_DROPS = ("LD_LIBRARY_PATH", "GLIBC_TUNABLES", "TMPDIR")
-"""Variables of the child's environment that the C library removes when it starts a program
-with file capabilities (the launcher): `_launched` sets them again after it, through env."""
-
-
-def _launched(
-    identity: ChildUser | None, command: list[str], env: Mapping[str, str] | None = None
-) -> list[str]:
-    """`command` as started with the environment `env`: through the launcher when there is
-    one, then ``env`` to restore what the launcher's start removed from `env`."""
-    if identity is None or identity.launcher is None:
-        return command
-    ids = [f"--reuid={identity.uid}", f"--regid={identity.gid}"]
-    env = env or {}
-    kept = [f"{name}={env[name]}" for name in _SECURE_EXEC_DROPS if name in env]
-    restore = [shutil.which("env") or "/usr/bin/env", *kept] if kept else []
-    return [str(identity.launcher), *ids, *LAUNCHER_OPTIONS, "--", *restore, *command]
-
-
-def _as_compile_user(identity: ChildUser, *arguments: str) -> None:
-    """Run this module's `_service` as the compile user: what the worker may not do to the
-    child's processes and files itself (another uid). A failure is logged, not raised: the
-    job's outcome is decided already."""
-    command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *arguments]
-    env = child_environment(os.environ, Path("/"))
-    try:
-        done = subprocess.run(
-            _launched(identity, command, env),
-            cwd="/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        log.warning("could not run %s as the compile user: %s", " ".join(arguments), error)
-        return
-    if done.returncode != 0:
-        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-        log.warning("%s as the compile user failed (%d): %s", arguments[0], done.returncode, last)
 
 
 BOX_ROOTS = ("/tmp", "/var/tmp")
@@ -851,28 +720,5 @@ def _reference(files, spec: CompileSpec, request: dict) -> dict:
     return {"reference": str(out)}
 
 
-def _service(action: str, argument: str) -> int:
-    """What the worker asks of the compile user through the launcher: kill the child's process
-    group (``--kill PGID``), or empty its box (``--empty BOX``), whatever the child made of
-    it (folders it closed, files it made read-only)."""
-    if action == "--kill":
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(int(argument), signal.SIGKILL)
-        return 0
-    box = Path(argument)
-    for folder, names, _ in os.walk(box):  # top down: each folder opened before it is listed
-        for name in names:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(folder, name), 0o700, follow_symlinks=False)
-    for entry in box.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1].startswith("--"):
-        sys.exit(_service(sys.argv[1], sys.argv[2]))
     sys.exit(_child_main(sys.argv[1], sys.argv[2]))
