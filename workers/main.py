@@ -19,6 +19,7 @@ from farm.core.spec import Target
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
 from farm.server.doctor import require_services, signing_check
+from farm.server.jobs.compile_user import warn_if_compiles_as_worker
 from farm.server.processes import die_with_parent, name_process
 
 from . import tasks
@@ -92,6 +93,8 @@ def run_worker(
             )
         threading.Thread(target=beat_loop, name="farm-heartbeat", daemon=True).start()
         log.info("farm worker %s serves %s", name, ", ".join(queues))
+        if warning := warn_if_compiles_as_worker(settings.compile_launcher):
+            log.warning(warning)
 
     @signals.worker_shutdown.connect(weak=False)
     def on_shutdown(**_: object) -> None:

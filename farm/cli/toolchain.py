@@ -62,18 +62,33 @@ def toolchain(ctx: click.Context, devices: tuple[str, ...], as_json: bool) -> No
     type=click.Path(file_okay=False, path_type=Path),
     help="Where OpenVINO loads its plugins from (default: this OpenVINO's own libs folder).",
 )
+@click.option(
+    "--sha256",
+    "digests",
+    multiple=True,
+    metavar="HEX",
+    help="The sha256 your vendor publishes for a library to install; repeatable (one per "
+    "file). Each file must match one, or a known release (farm/npu_compilers.json).",
+)
+@click.option(
+    "--trust-unlisted",
+    is_flag=True,
+    help="Install files that match no --sha256 and no known release, trusting them as they are.",
+)
 @json_option
 @handle_errors
-def install_npu_compiler(path: Path, into: Path | None, as_json: bool) -> None:
+def install_npu_compiler(
+    path: Path, into: Path | None, digests: tuple[str, ...], trust_unlisted: bool, as_json: bool
+) -> None:
     """Install the NPU compiler at PATH (a folder holding libopenvino_intel_npu_compiler*.so)
     where this OpenVINO loads it, then compile a tiny model for each NPU platform."""
     from farm import npu  # OpenVINO: only for this command
 
-    report = npu.install(path, into)
+    report = npu.install(path, into, sha256=digests, trust_unlisted=trust_unlisted)
 
     def human() -> None:
         out.print(f"installed {', '.join(report.installed)} into {report.libs_dir}", markup=False)
-        out.print(f"VCL API {report.vcl_api}")
+        out.print(f"VCL API {report.vcl_api}; provenance: {report.provenance}", markup=False)
         for target, result in report.platforms.items():
             out.print(f"{target:9} {result}", markup=False)
 
@@ -82,6 +97,8 @@ def install_npu_compiler(path: Path, into: Path | None, as_json: bool) -> None:
             "libs_dir": str(report.libs_dir),
             "installed": report.installed,
             "vcl_api": report.vcl_api,
+            "sha256": report.sha256,
+            "provenance": report.provenance,
             "platforms": report.platforms,
             "compiled": report.compiled,
         },

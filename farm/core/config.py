@@ -79,8 +79,14 @@ class Settings(BaseSettings):
     `farm verify` on the edges. Skipped (with the reason recorded) for a model too large for
     compile_memory_bytes; false: never."""
     compile_user: str | None = None
-    """User (name or uid) the compile child runs as when the worker runs as root; default
-    ``nobody``. ``root`` keeps root (not recommended: the child parses untrusted models)."""
+    """User (name or uid) the compile child runs as when the worker runs as root, or through
+    compile_launcher; default ``nobody``. ``root`` keeps a root worker's child root (not
+    recommended: the child parses untrusted models)."""
+    compile_launcher: Path | None = None
+    """How a worker that is not root starts its compile child as compile_user: a copy of
+    util-linux ``setpriv`` with the file capabilities ``cap_setuid,cap_setgid+ep``, executable
+    only by the worker's group (the Docker image's ``/usr/local/libexec/farm/compile-launcher``,
+    made by docker/compile-sandbox.sh). Unset, such a worker's child runs as the worker."""
     max_attempts: int = 3
     """Claims a new job gets. Every claim counts, whatever ended it: a worker that died (an
     OOM-killed compile) or an infrastructure error (storage, database, broker). Then it fails."""

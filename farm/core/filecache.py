@@ -8,9 +8,15 @@ Layout under the root (``FARM_CACHE_DIR/blobs``):
   ``partial/<cache_key>``   a download in progress or broken off, resumed from its size
 
 Only verified files are ever renamed into place (``os.replace``), so a reader never sees a
-half-written blob. A blob in use is held open with a shared ``flock``; eviction takes an
-exclusive non-blocking lock first and skips any blob it cannot lock, in this process or any
-other. Standard library only (edge-safe).
+half-written blob. The cache may sit in a folder others can write: no write follows a link
+someone planted. ``partial/`` is this user's alone (0700, checked, links in it removed), every
+other file is written to a new temporary name (``O_EXCL``) and renamed over the target (which
+replaces a link instead of writing through it), and times and modes are set on the file
+itself, never through a link (`write_atomically`).
+
+A blob in use is held open with a shared ``flock``; eviction takes an exclusive non-blocking
+lock first and skips any blob it cannot lock, in this process or any other. Standard library
+only (edge-safe).
 
 The stamp is the file's (device, inode, size, mtime, ctime) taken when it was verified. Any
 change to the file through the file system changes it: a write or truncate changes mtime and
@@ -27,8 +33,9 @@ import fcntl
 import json
 import os
 import re
+import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -51,7 +58,7 @@ class BlobCache:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.partial_dir = self.root / "partial"
-        self.partial_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.partial_dir)
 
     def path(self, cache_key: str) -> Path:
         return self.root / f"{_checked(cache_key)}.blob"
@@ -60,18 +67,24 @@ class BlobCache:
         return self.root / f"{_checked(cache_key)}.manifest"
 
     def partial_path(self, cache_key: str) -> Path:
-        return self.partial_dir / _checked(cache_key)
+        """Where the download of `cache_key` goes (resumed from its size); anything there but
+        a regular file is removed first."""
+        path = self.partial_dir / _checked(cache_key)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                path.unlink()
+        return path
 
     def get(self, cache_key: str) -> Path | None:
         """The cached blob for `cache_key`, marked as just used; None if not cached."""
         path = self.path(cache_key)
         if not path.exists():
             return None
-        try:
-            os.utime(self.manifest_path(cache_key))  # never the blob: that would break its stamp
+        try:  # never the blob: that would break its stamp
+            os.utime(self.manifest_path(cache_key), follow_symlinks=False)
         except FileNotFoundError:
             try:
-                os.utime(path)
+                os.utime(path, follow_symlinks=False)
             except FileNotFoundError:
                 return None  # evicted meanwhile
         return path
@@ -85,11 +98,11 @@ class BlobCache:
         this very file (`manifest` returns it only while the file is unchanged).
         """
         path = self.path(cache_key)
-        verified.chmod(0o444)
+        _read_only(verified)
         if manifest is None:
             self.manifest_path(cache_key).unlink(missing_ok=True)
         os.replace(verified, path)
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)
         if manifest is not None:
             self.bind(cache_key, manifest)
         self.evict(keep=cache_key)
@@ -98,11 +111,8 @@ class BlobCache:
     def bind(self, cache_key: str, manifest: Mapping[str, Any]) -> None:
         """Keep `manifest` beside the blob as it is now: call only after verifying the file."""
         stamp = _stamp(self.path(cache_key))
-        target = self.manifest_path(cache_key)
-        handle, name = tempfile.mkstemp(dir=self.partial_dir, prefix=f"{target.name}.")
-        with os.fdopen(handle, "w") as sink:
-            json.dump({"stamp": stamp, "manifest": dict(manifest)}, sink)
-        os.replace(name, target)
+        with write_atomically(self.manifest_path(cache_key), self.partial_dir) as sink:
+            sink.write(json.dumps({"stamp": stamp, "manifest": dict(manifest)}).encode())
 
     def manifest(self, cache_key: str) -> dict[str, Any] | None:
         """The manifest kept beside the blob, if the blob file is still the very file it was
@@ -162,6 +172,53 @@ class BlobCache:
                 total -= entry.size_bytes
                 evicted.append(entry.cache_key)
         return evicted
+
+
+@contextlib.contextmanager
+def write_atomically(
+    target: Path, work_dir: Path | None = None, mode: int = 0o600
+) -> Iterator[BinaryIO]:
+    """A new file to write, renamed to `target` when the block ends without an error (else
+    removed). Made under a fresh name (``O_CREAT | O_EXCL``: never an existing file or a link)
+    in `work_dir` (default: `target`'s folder, same file system), so a link planted at the
+    target or at any name in a shared folder never redirects the write. `mode`: the file's."""
+    handle, name = tempfile.mkstemp(dir=work_dir or target.parent, prefix=f".{target.name}.")
+    try:
+        os.fchmod(handle, mode)
+        with os.fdopen(handle, "wb") as sink:
+            yield sink
+        os.replace(name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+        raise
+
+
+def private_dir(path: Path) -> Path:
+    """Make `path` a folder of this user's alone (0700) and check it is: not a link, owned by
+    this user. A folder that was open to others loses any link planted in it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.geteuid():
+        raise CacheError(
+            f"{path} is a link or belongs to another user: it must be this user's own "
+            "folder; give each user a FARM_CACHE_DIR of its own"
+        )
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+        for entry in path.iterdir():
+            if not stat.S_ISREG(os.lstat(entry).st_mode):
+                entry.unlink()
+    return path
+
+
+def _read_only(path: Path) -> None:
+    """chmod 0444 the file itself, refusing a link (chmod would follow it)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(descriptor, 0o444)
+    finally:
+        os.close(descriptor)
 
 
 def _remove_unless_held(path: Path) -> bool:

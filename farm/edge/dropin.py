@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from farm.core.blobformat import read_header
+from farm.core.filecache import write_atomically
 
 _MASK = (1 << 64) - 1
 _MURMUR_MUL = 0xC6A4A7935BD1E995
@@ -33,7 +34,9 @@ def write_cache_entry(
     blob: Path, cache_dir: Path, cache_key: str, for_model: Path | None = None
 ) -> Path:
     """Copy `blob` to ``cache_dir/<cache_key>.blob`` with the header OpenVINO expects for an
-    app that compiles `for_model` (a path) or an in-memory model (None). Written atomically."""
+    app that compiles `for_model` (a path) or an in-memory model (None). Written atomically,
+    under a fresh name then renamed: a link planted in `cache_dir` (a folder others may write)
+    is replaced, never written through."""
     header = read_header(blob)
     with open(blob, "rb") as source:
         line = source.readline()
@@ -42,15 +45,10 @@ def write_cache_entry(
         padding = (-len(new_line) % alignment) if alignment > 0 else 0
         cache_dir.mkdir(parents=True, exist_ok=True)
         target = cache_dir / f"{cache_key}.blob"
-        partial = cache_dir / f".{cache_key}.blob.partial"
-        try:
-            with open(partial, "wb") as sink:
-                sink.write(new_line + b"\0" * padding)
-                source.seek(header.payload_offset)
-                shutil.copyfileobj(source, sink, 1 << 20)
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
+        with write_atomically(target, mode=0o644) as sink:  # for the app, whoever runs it
+            sink.write(new_line + b"\0" * padding)
+            source.seek(header.payload_offset)
+            shutil.copyfileobj(source, sink, 1 << 20)
     return target
 
 

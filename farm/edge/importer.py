@@ -18,6 +18,7 @@ import openvino as ov
 
 from farm.core.blobformat import CACHE_ENTRY_MAGIC, read_header
 from farm.core.errors import BlobFormatError, FarmError, Incompatible
+from farm.core.filecache import write_atomically
 from farm.core.spec import Target
 from farm.toolchain import last_line
 
@@ -59,15 +60,10 @@ def write_export(entry: str | Path, output: str | Path) -> Path:
     (`core.import_model(data, device)`, `benchmark_app -m`, a C++ app)."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
-    try:
-        with open(entry, "rb") as source, open(partial, "wb") as target:
-            source.seek(read_header(entry).payload_offset)
-            while chunk := source.read(COPY_CHUNK):
-                target.write(chunk)
-        partial.replace(output)
-    finally:
-        partial.unlink(missing_ok=True)
+    with open(entry, "rb") as source, write_atomically(output, mode=0o644) as target:
+        source.seek(read_header(entry).payload_offset)
+        while chunk := source.read(COPY_CHUNK):
+            target.write(chunk)
     return output
 
 

@@ -33,6 +33,7 @@ from farm.server.db.session import (
     upgrade_database,
 )
 from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
+from farm.server.jobs.model_cache import open_model_cache
 from farm.server.jobs.runner import RunLimits, run_job
 from farm.server.storage import BlobStore, open_store
 
@@ -100,6 +101,7 @@ class FarmContext:
             max_blob_ratio=settings.max_blob_ratio,
             blob_bytes_over_model=settings.blob_bytes_over_model,
             compile_user=settings.compile_user,
+            compile_launcher=settings.compile_launcher,
             reference_outputs=settings.reference_outputs,
         )
 
@@ -110,7 +112,7 @@ class FarmContext:
         if not (self.settings.served and self.settings.worker_model_cache_bytes):
             return None
         root = self.settings.cache_dir / "models"
-        return BlobCache(root, self.settings.worker_model_cache_bytes)
+        return open_model_cache(root, self.settings.worker_model_cache_bytes)
 
     def run(self, job_id: int) -> Job | None:
         """Run job `job_id` here: claim, compile in a child, store, record."""

@@ -1,7 +1,8 @@
 """Installing an NPU compiler, tested here up to the compiler: no NPU compiler exists on these
 machines, so the libraries below are real shared objects built by the test (one that is not a
-compiler, one that speaks the VCL API but cannot compile), installed where this OpenVINO loads
-them, refused, and taken back out: nothing is left half-installed."""
+compiler, one that speaks the VCL API but cannot compile, one that leaves a mark when loaded),
+installed where this OpenVINO loads them, refused, and taken back out: nothing is left
+half-installed. None of them is an NPU compiler, and none compiles anything for an NPU."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from farm import toolchain
+from farm import npu, toolchain
 from farm.core.errors import CompilerUnavailable
-from farm.npu import COMPILER, NotACompiler, install, vcl_version
+from farm.core.hashing import sha256_file
+from farm.npu import COMPILER, NotACompiler, UntrustedCompiler, install, vcl_version
 from farm.toolchain import NPU_COMPILER_LIBRARY
 
 NOT_A_COMPILER = "int farm_test_answer(void) { return 42; }\n"
@@ -47,6 +49,10 @@ def _library(folder: Path, source: str) -> Path:
     return folder
 
 
+def _digests(folder: Path) -> list[str]:
+    return [sha256_file(folder / name) for name in (NPU_COMPILER_LIBRARY, COMPILER)]
+
+
 def _listing(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in folder.iterdir()}
 
@@ -64,7 +70,7 @@ def test_a_file_that_is_not_a_library_is_refused_before_anything_is_copied(tmp_p
     (folder / COMPILER).write_text("not a library")
     libs = toolchain.openvino_libs()
     before = _listing(libs)
-    done = _farm("toolchain", "install-npu-compiler", str(folder))
+    done = _farm("toolchain", "install-npu-compiler", str(folder), "--trust-unlisted")
     assert done.returncode == 2, done.stderr
     assert "is not a shared library (no ELF header)" in done.stderr
     assert _listing(libs) == before
@@ -76,7 +82,7 @@ def test_a_library_without_the_vcl_api_is_not_a_compiler(tmp_path):
         vcl_version(folder / COMPILER)
     libs = toolchain.openvino_libs()
     before = _listing(libs)
-    done = _farm("toolchain", "install-npu-compiler", str(folder), "--json")
+    done = _farm("toolchain", "install-npu-compiler", str(folder), "--json", "--trust-unlisted")
     assert done.returncode == 2 and "does not export" in done.stderr
     assert _listing(libs) == before
 
@@ -97,7 +103,7 @@ def test_a_compiler_that_compiles_for_no_platform_is_taken_back_out(tmp_path):
     before = _listing(libs)
     try:
         with pytest.raises(CompilerUnavailable) as refused:
-            install(folder)
+            install(folder, sha256=_digests(folder))
         message = str(refused.value)
         assert "compiled for no NPU platform, so it was not installed" in message
         for platform in ("NPU.3720", "NPU.4000", "NPU.5010", "NPU.5020"):
@@ -124,8 +130,95 @@ def test_into_another_folder_checks_that_openvino_loads_it_from_there(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / COMPILER).write_bytes(b"the older one")
-    done = _farm("toolchain", "install-npu-compiler", str(folder), "--into", str(elsewhere))
+    done = _farm(
+        "toolchain",
+        "install-npu-compiler",
+        str(folder),
+        "--into",
+        str(elsewhere),
+        "--trust-unlisted",
+    )
     assert done.returncode == 4, done.stderr  # cannot compile here: the README's exit code 4
     assert _listing(elsewhere) == {COMPILER: len(b"the older one")}
     assert (elsewhere / COMPILER).read_bytes() == b"the older one"
     assert not any(name.startswith(".") for name in os.listdir(elsewhere))
+
+
+# --- provenance: what is installed is what was checked, and nothing unproven is ever loaded ----
+
+MARKS_WHEN_LOADED = """
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void loaded(void) {
+    FILE *mark = fopen(MARK, "a");
+    if (mark) { fprintf(mark, "%d\\n", (int)getpid()); fclose(mark); }
+}
+int farm_test_answer(void) { return 42; }
+"""
+"""Not an NPU compiler: a library that writes the pid of whatever process loads it to MARK."""
+
+
+def _marking_library(folder: Path, mark: Path) -> Path:
+    return _library(folder, f'#define MARK "{mark}"\n' + MARKS_WHEN_LOADED)
+
+
+def _private_folder(path: Path) -> Path:
+    path.mkdir(mode=0o755)
+    return path
+
+
+def test_an_unproven_library_is_refused_before_any_of_it_runs(tmp_path):
+    mark = tmp_path / "loaded"
+    folder = _marking_library(tmp_path / "lib", mark)
+    libs = _private_folder(tmp_path / "libs")
+    done = _farm("toolchain", "install-npu-compiler", str(folder), "--into", str(libs))
+    assert done.returncode == 8, done.stderr  # untrusted: the README's exit code 8
+    assert "origin is not proven" in done.stderr and "--sha256" in done.stderr
+    assert sha256_file(folder / COMPILER) in done.stderr  # the digest to compare with the vendor's
+    wrong = _farm(
+        "toolchain", "install-npu-compiler", str(folder), "--into", str(libs), "--sha256", "0" * 64
+    )
+    assert wrong.returncode == 8 and "origin is not proven" in wrong.stderr
+    assert not mark.exists()  # never loaded, by any process
+    assert os.listdir(libs) == []  # and nothing left in the folder, not even a temporary copy
+
+
+def test_a_proven_library_is_probed_in_a_throwaway_process_never_in_this_one(tmp_path):
+    mark = tmp_path / "loaded"
+    folder = _marking_library(tmp_path / "lib", mark)
+    libs = _private_folder(tmp_path / "libs")
+    with pytest.raises(NotACompiler, match="not an NPU compiler: it does not export"):
+        install(folder, libs, sha256=_digests(folder))
+    loaders = {int(pid) for pid in mark.read_text().split()}
+    assert loaders and os.getpid() not in loaders
+    assert os.listdir(libs) == []
+    # What was probed is the copy made in the folder it installs into, not the source.
+    with pytest.raises(UntrustedCompiler, match="matches none of the files given"):
+        install(folder, libs, sha256=[*_digests(folder), "1" * 64])
+
+
+def test_a_folder_others_may_write_is_refused_before_anything_is_copied(tmp_path):
+    folder = _library(tmp_path / "vcl", VCL_THAT_CANNOT_COMPILE)
+    shared = _private_folder(tmp_path / "shared")
+    shared.chmod(0o777)
+    with pytest.raises(CompilerUnavailable, match="other users may write it"):
+        install(folder, shared, sha256=_digests(folder))
+    assert os.listdir(shared) == []
+
+
+def test_a_library_of_a_known_release_needs_no_digest_and_the_shipped_list_is_sound(
+    tmp_path, monkeypatch
+):
+    shipped = npu.known_digests()  # farm/npu_compilers.json: no authoritative digest yet
+    assert all(len(digest) == 64 and int(digest, 16) >= 0 for digest in shipped)
+    folder = _library(tmp_path / "vcl", VCL_THAT_CANNOT_COMPILE)
+    listed = tmp_path / "known.json"
+    files = dict(zip((NPU_COMPILER_LIBRARY, COMPILER), _digests(folder), strict=True))
+    listed.write_text(json.dumps({"releases": [{"name": "test release", "files": files}]}))
+    monkeypatch.setattr(npu, "KNOWN_COMPILERS", listed)
+    elsewhere = _private_folder(tmp_path / "elsewhere")
+    # Past provenance and the VCL probe, installed, then refused by the compile probe (this
+    # OpenVINO does not load from `elsewhere`, and the library cannot compile): put back.
+    with pytest.raises(CompilerUnavailable, match="compiled for no NPU platform"):
+        install(folder, elsewhere)
+    assert os.listdir(elsewhere) == []

@@ -5,6 +5,7 @@ size limit that the runner checks again before anything is uploaded."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from farm.core.config import Settings
 from farm.core.errors import SandboxUnavailable
 from farm.server.context import FarmContext
 from farm.server.db.models import Blob, Job
-from farm.server.jobs import runner, sandbox
+from farm.server.jobs import compile_user, runner, sandbox
 from farm.server.jobs.compiler import CompileResult
 from farm.server.jobs.runner import RunLimits, blob_size_limit, run_job
 from farm.server.jobs.service import submit_matrix
@@ -67,21 +68,65 @@ def test_the_compile_child_environment_is_an_allowlist_without_worker_secrets(tm
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a worker running as root switches user")
 def test_a_root_worker_compiles_as_nobody_unless_told_otherwise():
-    nobody = (65534, 65534)
-    assert sandbox.compile_identity() == nobody
-    assert sandbox.compile_identity("nobody") == nobody
-    assert sandbox.compile_identity("65534") == nobody
-    assert sandbox.compile_identity("4242") == (4242, 4242)  # a uid with no passwd entry
-    assert sandbox.compile_identity("root") is None
-    assert sandbox.compile_identity("0") is None
+    nobody = compile_user.ChildUser(65534, 65534)
+    assert compile_user.compile_identity() == nobody
+    assert compile_user.compile_identity("nobody") == nobody
+    assert compile_user.compile_identity("65534") == nobody
+    assert compile_user.compile_identity("4242") == compile_user.ChildUser(
+        4242, 4242
+    )  # no passwd entry
+    assert compile_user.compile_identity("root") is None
+    assert compile_user.compile_identity("0") is None
     with pytest.raises(SandboxUnavailable, match=r"no user 'no-such-user' .*FARM_COMPILE_USER"):
-        sandbox.compile_identity("no-such-user")
+        compile_user.compile_identity("no-such-user")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="checks a worker that is not root")
 def test_a_worker_that_is_not_root_compiles_as_itself():
-    assert sandbox.compile_identity() is None
-    assert sandbox.compile_identity("nobody") is None
+    assert compile_user.compile_identity() is None
+    assert compile_user.compile_identity("nobody") is None
+
+
+def test_a_launcher_is_used_only_by_a_worker_that_is_not_root(tmp_path, monkeypatch):
+    launcher = tmp_path / "compile-launcher"
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o750)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert compile_user.compile_identity("4242", launcher) == compile_user.ChildUser(4242, 4242)
+    monkeypatch.setattr(os, "geteuid", lambda: 10001)
+    monkeypatch.setattr(os, "getuid", lambda: 10001)
+    assert compile_user.compile_identity("4242", launcher) == compile_user.ChildUser(
+        4242, 4242, launcher
+    )
+    assert compile_user.compile_identity("4242") is None  # no launcher: the worker's own user
+    for itself in ("10001", "root"):
+        with pytest.raises(SandboxUnavailable, match=r"must name a user of its own"):
+            compile_user.compile_identity(itself, launcher)
+    with pytest.raises(SandboxUnavailable, match=r"FARM_COMPILE_LAUNCHER .* is not an exec"):
+        compile_user.compile_identity("4242", tmp_path / "missing")
+    assert "FARM_COMPILE_LAUNCHER is unset" in compile_user.warn_if_compiles_as_worker(None)
+    assert compile_user.warn_if_compiles_as_worker(launcher) is None
+    command = compile_user.launched(compile_user.ChildUser(4242, 4243, launcher), ["python", "-P"])
+    assert command == [
+        str(launcher),
+        "--reuid=4242",
+        "--regid=4243",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--no-new-privs",
+        "--",
+        "python",
+        "-P",
+    ]
+    # The C library drops these when it starts the launcher (file capabilities): set again.
+    env = {"LD_LIBRARY_PATH": "/opt/ov", "TMPDIR": "/tmp/box", "PATH": "/usr/bin"}
+    again = compile_user.launched(compile_user.ChildUser(4242, 4243, launcher), ["python"], env)
+    assert again[again.index("--") + 1 :] == [
+        shutil.which("env"),
+        "LD_LIBRARY_PATH=/opt/ov",
+        "TMPDIR=/tmp/box",
+        "python",
+    ]
 
 
 def test_the_blob_limit_is_a_ratio_of_the_model_the_admin_sets_unless_a_size_is_set():

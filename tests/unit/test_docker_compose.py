@@ -6,6 +6,7 @@ every interface, and the workers must offer for routing the memory their contain
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -82,3 +83,20 @@ def test_the_api_signs_statuses_with_a_certified_key_of_its_own(services):
     assert maker["environment"]["FARM_SIGNING_KEY"] == "/keys/signing.pem"
     assert api["depends_on"]["status-key"] == {"condition": "service_completed_successfully"}
     assert "status-key:/status:ro" in api["volumes"]
+
+
+def test_the_image_runs_the_compile_child_as_a_user_of_its_own_through_the_launcher(services):
+    # What tests/integration/test_compile_user.py sets up and attacks on this host.
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    env = dict(re.findall(r"(FARM_COMPILE_\w+)=(\S+)", dockerfile))
+    setup = re.search(r"farm-compile-sandbox (\S+) (\S+) (\S+)\n", dockerfile)
+    assert setup and setup.groups() == (
+        "farm",
+        env["FARM_COMPILE_USER"],
+        env["FARM_COMPILE_LAUNCHER"],
+    )
+    assert "COPY docker/compile-sandbox.sh /usr/local/sbin/farm-compile-sandbox" in dockerfile
+    assert re.findall(r"^USER (\S+)$", dockerfile, re.M) == ["farm"]
+    worker = services["worker"]
+    assert worker["cap_drop"] == ["ALL"] and set(worker["cap_add"]) == {"SETUID", "SETGID"}
+    assert "no-new-privileges" not in str(worker.get("security_opt", ""))  # voids file caps

@@ -3,6 +3,9 @@ linked into every job that compiles that model (another spec, another target, a 
 
 Shares the edge's `BlobCache` (content-addressed files, LRU under a cap, atomic renames);
 jobs get hard links, so evicting a file never pulls it from under a running compile.
+
+The cache holds every submitter's models, so its folder is the worker's alone (0700): the
+compile child, another user, reaches only the files its own job links into its box.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from farm.core.hashing import sha256_file
 from farm.server.storage import BlobStore
 
 log = logging.getLogger(__name__)
+
+
+def open_model_cache(root: Path, max_bytes: int) -> BlobCache:
+    """The worker's model cache at `root`, closed to every other user (the compile user)."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o700)
+    return BlobCache(root, max_bytes)
 
 
 def link_model_file(

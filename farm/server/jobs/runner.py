@@ -84,7 +84,9 @@ class RunLimits:
     max_blob_ratio: float = BLOB_BYTES_PER_MODEL_BYTE
     blob_bytes_over_model: int = BLOB_BYTES_OVER_MODEL
     compile_user: str | None = None
-    """Who compiles when the worker runs as root (`sandbox.compile_identity`; None: nobody)."""
+    """Who compiles (`compile_user.compile_identity`; None: nobody)."""
+    compile_launcher: Path | None = None
+    """How a worker that is not root becomes compile_user (`compile_user.compile_identity`)."""
     reference_outputs: bool = True
     """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
 
@@ -212,6 +214,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
                 memory_bytes=limits.memory_bytes,
                 max_blob_bytes=max_blob_bytes,
                 compile_user=limits.compile_user,
+                compile_launcher=limits.compile_launcher,
                 should_stop=lease.should_stop,
             )
         _check_blob_size(result.blob_path, max_blob_bytes)
@@ -274,6 +277,7 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
             memory_bytes=limits.memory_bytes,
             max_reference_bytes=_blob_limit_of(model_row.size_bytes, limits),
             compile_user=limits.compile_user,
+            compile_launcher=limits.compile_launcher,
             should_stop=lease.should_stop,
         )
     return ReferenceFile(path, note)

@@ -13,23 +13,33 @@ time, and the kernel stops the child at its first byte past the limit). No core 
 crashing compile of a 20 GB model would otherwise write 20 GB to disk.
 
 What the child holds: only what a compile needs. Its environment is an allowlist
-(`child_environment`: no database, broker or S3 credentials, no signing key path), and a worker
-running as root runs it as an unprivileged user (`compile_identity`, ``FARM_COMPILE_USER``,
-default ``nobody``). The child starts as root, caps itself, loads OpenVINO and the target's
-plugin (which may live where that user cannot read, such as a home folder), then switches user
-for good before it reads a byte of the model. It works in a folder of its own (the box) that
-holds its model files and the blob it writes, owned by that user: hard links to the model files
-where that user may read them, else read-only copies. The parent takes the blob out of the box
-by its expected name, a regular file, never by a path the child reports.
+(`child_environment`: no database, broker or S3 credentials, no signing key path), and it runs
+as a user of its own (`compile_identity`, ``FARM_COMPILE_USER``, default ``nobody``), so it can
+read neither the signing key (mode 0600, the worker's) nor ``/proc/<worker>/environ``:
+- a worker running as root starts the child as root; the child caps itself, loads OpenVINO and
+  the target's plugin (which may live where that user cannot read, such as a home folder), then
+  switches user for good before it reads a byte of the model;
+- a worker that is not root (the Docker image's ``farm``) starts it through a launcher
+  (``FARM_COMPILE_LAUNCHER``: a copy of util-linux ``setpriv`` with the file capabilities
+  ``cap_setuid,cap_setgid``, executable only by the worker's group), which drops to that user
+  before Python starts. Such a worker cannot signal its child (another uid), so it stops it,
+  and empties its folder, through the launcher too (`farm.server.jobs.compile_user`).
+The child works in a folder of its own (the box) that holds its model files and the blob it
+writes: hard links to the model files where that user may read them, else read-only copies.
+The box belongs to that user (root worker) or to the worker with that user's group (launcher).
+The parent takes the blob out of the box by its expected name, a regular file, never by a path
+the child reports. When the child ends, whatever it left running in its process group is
+killed before its exit is collected (its pid cannot have been reused meanwhile).
 
 Note: ``RLIMIT_AS`` counts reserved address space, not only resident memory: thread stacks,
 allocator arenas and the memory-mapped ``.bin`` all count. A compile needs about 0.7 GB of it
 before touching the model (Python, OpenVINO, its CPU plugin); the default limit is a share of
 the host's memory (`Settings.resolved_compile_memory_bytes`), far above that.
 
-Protocol: ``python -m farm.server.jobs.sandbox REQUEST.json RESULT.json``; the result holds
-either the `CompileResult` fields or ``{"error": code, "message": ...}`` (the error's
-`FarmError.code`).
+Protocol: ``python -m farm.server.jobs.sandbox REQUEST_FD RESULT_FD``: the request (JSON) is
+read from, and the result written to, descriptors the parent opened and passed (the child's
+user may open neither file). The result holds either the `CompileResult` fields or
+``{"error": code, "message": ...}`` (the error's `FarmError.code`).
 """
 
 from __future__ import annotations
@@ -39,15 +49,17 @@ import ctypes
 import errno
 import io
 import json
+import logging
 import os
-import pwd
 import resource
+import select
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -56,8 +68,16 @@ from pathlib import Path
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.server.jobs.compile_user import (
+    ChildUser,
+    as_compile_user,
+    compile_identity,
+    kill_group,
+    launched,
+)
 from farm.server.processes import die_with_parent as _die_with_parent
 
+log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 CPU = Target.parse("CPU")
 """Where reference outputs are computed, whatever the blob's target."""
@@ -73,8 +93,6 @@ _MEMORY_SIGNS = (
 """How an allocation refused by ``RLIMIT_AS`` shows in the errors of a compile (measured)."""
 
 
-DEFAULT_COMPILE_USER = "nobody"
-"""Who compiles when the worker runs as root and FARM_COMPILE_USER is unset."""
 ENV_NAMES = frozenset(
     {
         "PATH",
@@ -108,6 +126,7 @@ def compile_in_child(
     memory_bytes: int | None = None,
     max_blob_bytes: int | None = None,
     compile_user: str | None = None,
+    compile_launcher: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
 ):
     """Compile in a child process; returns (`CompileResult`, compiler output), the blob at
@@ -116,7 +135,8 @@ def compile_in_child(
     `memory_bytes` caps the child's address space (None: no cap); a compile that needs more
     fails with CompileError "... exceeded its memory limit of N bytes". `max_blob_bytes` caps
     the files it writes (None: no cap); a bigger blob fails with BlobTooLarge.
-    `compile_user`: who compiles when this process runs as root (see `compile_identity`).
+    `compile_user`, `compile_launcher`: who compiles, and how a worker that is not root
+    becomes that user (see `compile_identity`).
     `should_stop` is called every POLL_SECONDS; True kills the child (CompileCancelled).
     Raises the child's CompileError / ModelError / CompilerUnavailable as the same classes;
     those and CompileTimeout carry the compiler's output in `.output`, for the job log.
@@ -128,7 +148,7 @@ def compile_in_child(
         files,
         out_dir,
         blob_id,
-        compile_identity(compile_user),
+        compile_identity(compile_user, compile_launcher),
         {
             "target": spec.target.name,
             "spec": spec.canonical(),
@@ -174,6 +194,7 @@ def reference_in_child(
     memory_bytes: int | None = None,
     max_reference_bytes: int | None = None,
     compile_user: str | None = None,
+    compile_launcher: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> tuple[Path | None, str | None]:
     """Compute the reference outputs of `spec`'s blob in a child process with the compile's
@@ -185,7 +206,7 @@ def reference_in_child(
         files,
         out_dir,
         f"{cache_key}.reference",
-        compile_identity(compile_user),
+        compile_identity(compile_user, compile_launcher),
         {
             "task": "reference",
             "target": spec.target.name,
@@ -226,7 +247,7 @@ def _child_in_box(
     files: Mapping[str, Path],
     out_dir: Path,
     name: str,
-    identity: tuple[int, int] | None,
+    identity: ChildUser | None,
     fields: Mapping[str, object],
     timeout_seconds: float,
     should_stop: Callable[[], bool],
@@ -260,16 +281,24 @@ def _child_in_box(
                     **extras,
                     "files": {role: str(path) for role, path in staged.items()},
                     "out_dir": str(box),
-                    "run_as": identity,
+                    # The launcher has switched user before the child starts; root switches
+                    # in the child, after loading OpenVINO.
+                    "run_as": [identity.uid, identity.gid]
+                    if identity and not identity.launcher
+                    else None,
+                    "parent": os.getpid(),
                 }
             )
         )
         returncode, timed_out = _run_child(
-            request, result_path, log_path, box, timeout_seconds, should_stop
+            request, result_path, log_path, box, timeout_seconds, should_stop, identity
         )
         yield _ChildRun(box, log_path, result_path, returncode, timed_out)
     finally:
         shutil.rmtree(box, ignore_errors=True)
+        if box.exists() and identity and identity.launcher:  # folders the child made are its own
+            as_compile_user(identity, child_environment(os.environ, Path("/")), "--empty", str(box))
+            shutil.rmtree(box, ignore_errors=True)
 
 
 def _run_child(
@@ -279,41 +308,61 @@ def _run_child(
     box: Path,
     timeout_seconds: float,
     should_stop: Callable[[], bool],
+    identity: ChildUser | None = None,
 ) -> tuple[int, bool]:
-    """Start the child in `box` and watch it until it ends; returns (exit code, timed out)."""
+    """Start the child in `box` as `identity` (None: this process's user) and watch it until
+    it ends; returns (exit code, timed out). Whatever it leaves running in its process group
+    is killed before its exit is collected."""
     started = time.monotonic()
-    with open(log_path, "wb") as log:
+    with (
+        open(log_path, "wb") as log,
+        open(request, "rb") as request_file,
+        open(result_path, "wb") as result_file,
+    ):
+        fds = (request_file.fileno(), result_file.fileno())
+        # -P: the box (the working directory) is not put on the child's import path.
+        command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *map(str, fds)]
+        env = child_environment(os.environ, box)
         child = subprocess.Popen(
-            # -P: the box (the working directory) is not put on the child's import path.
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "farm.server.jobs.sandbox",
-                str(request),
-                str(result_path),
-            ],
+            launched(identity, command, env),
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=box,
-            env=child_environment(os.environ, box),
+            env=env,
+            pass_fds=fds,
+            process_group=0,
             preexec_fn=_die_with_parent,
         )
+        exited = _exit_watch(child.pid)
         try:
-            while child.poll() is None:
+            while not _has_exited(exited, child.pid, POLL_SECONDS):
                 if should_stop():
                     raise CompileCancelled("compile cancelled")
                 if time.monotonic() - started > timeout_seconds:
-                    return child.returncode or 0, True
-                # Returns as soon as the child exits: a plain sleep rounded every compile up to
-                # a multiple of POLL_SECONDS (half the run time of a small model's job).
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(POLL_SECONDS)
+                    return -signal.SIGKILL, True
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+            # Not yet collected, the child's pid (its process group's id) is still its own.
+            kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
+            child.wait()
+            os.close(exited)
     return child.returncode, False
+
+
+def _exit_watch(pid: int) -> int:
+    """A descriptor that becomes readable when child `pid` exits, without collecting it."""
+    return os.pidfd_open(pid)
+
+
+def _has_exited(watch: int, pid: int, timeout: float) -> bool:
+    """Whether child `pid` has exited, waiting up to `timeout` seconds; never collects it
+    (returns as soon as it exits: a plain sleep rounded every compile up to a multiple of
+    POLL_SECONDS, half the run time of a small model's job)."""
+    select.select([watch], [], [], timeout)
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return ended is not None
 
 
 def _death(
@@ -384,51 +433,46 @@ def child_environment(environ: Mapping[str, str], home: Path) -> dict[str, str]:
     return {**kept, "HOME": str(home), "TMPDIR": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def compile_identity(compile_user: str | None = None) -> tuple[int, int] | None:
-    """(uid, gid) the compile child switches to, or None: it stays who the worker is. Only a
-    worker running as root switches, to `compile_user` (a name or a uid; default nobody);
-    ``root`` or uid 0 keeps root."""
-    if os.geteuid() != 0:
-        return None
-    name = compile_user or DEFAULT_COMPILE_USER
-    try:
-        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
-        uid, gid = entry.pw_uid, entry.pw_gid
-    except KeyError:
-        if not name.isdigit():
-            raise errors.SandboxUnavailable(
-                f"no user {name!r} on this host to run compiles as (FARM_COMPILE_USER): create "
-                "it, or name an existing unprivileged user or a numeric uid"
-            ) from None
-        uid = gid = int(name)  # a uid of its own, with no entry in /etc/passwd
-    return None if uid == 0 else (uid, gid)
-
-
 BOX_ROOTS = ("/tmp", "/var/tmp")
 """Where the box goes when the compile user cannot reach the temporary directory (TMPDIR may
 be a private folder of the worker's); the blob is then copied to `out_dir` after the compile."""
 
 
-def _make_box(out_dir: Path, identity: tuple[int, int] | None) -> Path:
+def _make_box(out_dir: Path, identity: ChildUser | None) -> Path:
     """The child's own folder. Beside `out_dir` when the child is the worker's own user. Else
-    owned by the compile user and closed to others, in a folder that user can reach, because
-    OpenVINO resolves its cache folder's real path: the temporary directory (where the worker
-    compiles, so the blob moves to `out_dir` without a copy), else BOX_ROOTS."""
+    closed to others, in a folder the compile user can reach, because OpenVINO resolves its
+    cache folder's real path: the temporary directory (where the worker compiles, so the blob
+    moves to `out_dir` without a copy), else BOX_ROOTS. Owned by the compile user when the
+    worker is root; else the worker's, shared with the compile user's group only (the worker
+    must take the blob out of it, and may not enter a folder of another user's)."""
     if identity is None:
         return Path(tempfile.mkdtemp(prefix="box-", dir=out_dir.parent))
+    uid, gid = identity.uid, identity.gid
     roots = [Path(tempfile.gettempdir()), *map(Path, BOX_ROOTS)]
-    root = next((r for r in roots if r.is_dir() and _may(r, *identity, os.X_OK, True)), None)
+    root = next((r for r in roots if r.is_dir() and _may(r, uid, gid, os.X_OK, True)), None)
     if root is None:
         raise errors.SandboxUnavailable(
-            f"the compile user (uid {identity[0]}) can reach none of {', '.join(map(str, roots))}:"
+            f"the compile user (uid {uid}) can reach none of {', '.join(map(str, roots))}:"
             " point TMPDIR at a folder every user may traverse, or set FARM_COMPILE_USER"
         )
     box = Path(tempfile.mkdtemp(prefix="farm-compile-", dir=root))
-    os.chown(box, *identity)
+    if identity.launcher is None:
+        os.chown(box, uid, gid)
+        return box
+    try:
+        os.chown(box, -1, gid)
+    except PermissionError:
+        box.rmdir()
+        raise errors.SandboxUnavailable(
+            f"this worker (uid {os.getuid()}) is not in the compile user's group (gid {gid}), "
+            "so it cannot share a folder with its compile child: add it to that group, as "
+            "docker/Dockerfile does"
+        ) from None
+    box.chmod(0o770)
     return box
 
 
-def _stage(source: Path, dest: Path, identity: tuple[int, int] | None) -> Path:
+def _stage(source: Path, dest: Path, identity: ChildUser | None) -> Path:
     """Put a model file in the box: a link when the child may read the file where it is, else
     a read-only copy. A hard link needs neither the folders above the file (a private home, the
     model cache) to be open to the compile user nor room for a copy."""
@@ -438,9 +482,9 @@ def _stage(source: Path, dest: Path, identity: tuple[int, int] | None) -> Path:
     real = source.resolve()
     info = real.stat()
     shareable = (
-        info.st_uid != identity[0]  # the child could chmod a file it owns
-        and _allows(info, *identity, os.R_OK)
-        and not _allows(info, *identity, os.W_OK)
+        info.st_uid != identity.uid  # the child could chmod a file it owns
+        and _allows(info, identity.uid, identity.gid, os.R_OK)
+        and not _allows(info, identity.uid, identity.gid, os.W_OK)
     )
     if shareable:
         with contextlib.suppress(OSError):  # another file system: copy
@@ -575,9 +619,23 @@ def _become(uid: int, gid: int, parent: int) -> None:
     os.setresuid(uid, uid, uid)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of user clears it
+    _die_with(parent)  # a change of user cleared it
+
+
+def _die_with(parent: int) -> None:
+    """End this process (and its process group) when `parent`, the worker, ends. The kernel's
+    parent-death signal covers a root worker; a worker of another uid may not signal this
+    process, not even by that signal, so a thread also watches for it."""
+    _die_with_parent()
     if os.getppid() != parent:  # the worker died before the line above
         os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="worker-watch", daemon=True).start()
 
 
 def _out_of_memory(error: BaseException | None) -> bool:
@@ -589,12 +647,14 @@ def _out_of_memory(error: BaseException | None) -> bool:
     return False
 
 
-def _child_main(request_path: str, result_path: str) -> int:
-    parent = os.getppid()
-    request = json.loads(Path(request_path).read_text())
+def _child_main(request_fd: str, result_fd: str) -> int:
+    with os.fdopen(int(request_fd), "rb") as request_file:
+        request = json.loads(request_file.read())
+    parent = request["parent"]
+    if not request.get("run_as"):
+        _die_with(parent)
     memory_bytes = request.get("memory_bytes")
-    # Opened before the switch of user: the compile user cannot write beside the request.
-    result = open(result_path, "w")  # noqa: SIM115 (written at the very end)
+    result = os.fdopen(int(result_fd), "w")  # written at the very end
     # Before OpenVINO is imported: the limit covers everything the compile maps or allocates.
     _limit_resources(memory_bytes, request.get("max_blob_bytes"))
     from farm.server.jobs import compiler
