@@ -173,22 +173,25 @@ def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
     assert job.state == "succeeded", job.error
     folder = watcher.finished_folder(job.id)
 
+    # The worker's own record of the job's phases (job_phases), never file times.
+    recorded = recorded_phases(stack.farm, job)
     created, claimed = timestamp(job.created_at), timestamp(job.started_at)
-    finished = timestamp(job.finished_at)
-    compile_child = folder.child_done - folder.fetched
     phases = {
         "hash": hash_s,
         "check_model": check_s,
         "upload": upload_s,
         "submit_requests": first_submit_s + submit_s,
         "queue_wait": claimed - created,
-        "claim_to_fetch": folder.appeared - claimed,
-        "model_fetch": folder.fetched - folder.appeared,
-        "compile_child_startup_and_read": compile_child - job.compile_seconds - job.export_seconds,
+        "model_fetch": recorded["fetch"],
+        "compile_child_startup_and_read": recorded["compile"]
+        - job.compile_seconds
+        - job.export_seconds,
         "compile": job.compile_seconds,
         "export": job.export_seconds,
-        "blob_upload": finished - folder.child_done,
-        "record": visible - finished,
+        "reference": recorded.get("reference", 0.0),
+        "blob_upload": recorded["upload"],
+        "record": recorded["record"],
+        "seen_by_client": visible - timestamp(job.finished_at),
         "work_dir_removal": folder.removed - visible,
     }
     total = folder.removed - started
@@ -236,7 +239,6 @@ def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
     result = client.submit(**second)["results"][0]
     assert result["outcome"] == "queued", result
     second_job, _ = wait_final(stack.farm, result["job"]["id"])
-    second_folder = watcher.finished_folder(second_job.id)
     direct_second = probe(
         "direct_compile",
         xml=str(xml),
@@ -267,12 +269,12 @@ def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
             # Fetched again when getting the model files took a real transfer's time; a
             # worker that keeps fetched models links them into the job folder in
             # milliseconds (its log names each fetch: counted too).
-            "refetched_model": second_folder.fetched - second_folder.appeared
+            "refetched_model": recorded_phases(stack.farm, second_job)["fetch"]
             > REFETCH_FRACTION * raw_fetch_s,
             "fetches_logged": stack.farm.worker_log("w1").count(
                 f"fetched model file {ref.identity['bin']}"
             ),
-            "model_fetch": second_folder.fetched - second_folder.appeared,
+            "model_fetch": recorded_phases(stack.farm, second_job)["fetch"],
             # Its model files are the cached ones, written a job earlier: no fresh fetch.
             "compile_export": second_job.compile_seconds + second_job.export_seconds,
             "direct_compile_export": direct_second["compile_seconds"]
@@ -280,6 +282,21 @@ def one_run(root: Path, stack, watcher: WorkDirWatcher, xml: Path) -> dict:
             "state": second_job.state,
         },
     }
+
+
+def recorded_phases(farm, job) -> dict[str, float]:
+    """The phases the worker recorded for the job's last attempt (`job_phases`), by name."""
+    from sqlalchemy import select
+
+    from farm.server.db.models import JobPhase
+
+    with farm.sessions() as session:
+        rows = session.execute(
+            select(JobPhase.phase, JobPhase.seconds).where(
+                JobPhase.job_id == job.id, JobPhase.attempt == job.attempts
+            )
+        ).all()
+    return {phase: seconds for phase, seconds in rows}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -397,13 +414,13 @@ def summarize(runs: list[dict]) -> dict:
         ],
         "notes": (
             "Phases: hash, check_model and upload are the CLI's steps, timed in the client; "
-            "queue_wait = claimed - created (job row); model_fetch = job folder created -> "
-            "compile request written; compile_child_startup_and_read = child wall time minus "
-            "the compile and export it records (interpreter, OpenVINO import, read_model); "
-            "blob_upload = child's result written -> job finished (includes the parent "
-            "noticing the child's exit and the multipart upload, hashed as it goes); record = "
-            "finished -> succeeded visible in the database (polled every 5 ms); "
-            "work_dir_removal = then -> job folder removed. Baselines: boto3 with its "
+            "queue_wait = claimed - created (job row); model_fetch, reference, blob_upload and "
+            "record are the phases the worker recorded (job_phases: fetch, reference, upload, "
+            "record); compile_child_startup_and_read = the recorded compile phase (the child's "
+            "whole life) minus the compile and export the child reports (interpreter, OpenVINO "
+            "import, read_model); seen_by_client = finished -> succeeded visible to the polling "
+            "client (every 5 ms); work_dir_removal = then -> job folder removed. Baselines: "
+            "boto3 with its "
             "default transfer settings, same bytes, same run, right after the job."
         ),
     }

@@ -317,6 +317,8 @@ def print_job(job: dict) -> None:
             f"timings    compile {job['compile_seconds']:.2f} s, export "
             f"{job['export_seconds']:.2f} s, peak RSS {size_text(job['peak_rss_bytes'] or 0)}"
         )
+    if job.get("phases"):
+        say("phases     " + ", ".join(f"{p['phase']} {p['seconds']:.2f} s" for p in job["phases"]))
     if job.get("error"):
         say(f"error      {job['error']}")
     if job.get("note"):

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from farm.server import routing
 from farm.server.db.models import Blob, Job, Model, Verification, Worker
+from farm.server.jobs.phases import phases_of
 
 
 def model_names(session: Session, jobs: Iterable[Job]) -> dict[int, str]:
@@ -120,8 +121,8 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
 
 def job_view(session: Session, job: Job, heartbeat_seconds: int) -> dict[str, Any]:
     """A job as `farm status` and `GET /v1/jobs/{id}` show it: with the note of a queued job
-    that no live worker can take."""
-    return job_views(session, [job], heartbeat_seconds)[0]
+    that no live worker can take, and where its last attempt's time went (its phases)."""
+    return {**job_views(session, [job], heartbeat_seconds)[0], "phases": phases_of(session, job)}
 
 
 def job_views(

@@ -194,6 +194,16 @@ def check_slowest(rows, h: History):
     assert all(row["peak_rss_bytes"] > 10 * 2**20 and row["worker"] == h.worker for row in rows)
 
 
+def check_phase_summary(rows, h: History):
+    done = [j for j in h.jobs if j.state == "succeeded"]
+    by_phase = {row["phase"]: row for row in rows if row["target"] == "CPU"}
+    assert {"fetch", "compile", "upload", "record"} <= set(by_phase)
+    assert by_phase["compile"]["attempts"] >= len(done)
+    assert by_phase["compile"]["max_ms"] >= max(j.compile_seconds for j in done) * 1000 - 1
+    totals = [row["total_seconds"] for row in rows]
+    assert totals == sorted(totals, reverse=True)
+
+
 def check_failed_imports(rows, h: History):
     (row,) = rows
     assert (row["agent_id"], row["target"], row["cache_key"]) == ("edge-3", "CPU", h.keys["a"])
@@ -259,6 +269,7 @@ CHECKS = {
     ),
     "Queue wait and run time percentiles per target": check_percentiles,
     "Slowest compiles and their memory": check_slowest,
+    "Where the farm spends its time": check_phase_summary,
     "Failed imports on the edges": check_failed_imports,
     "Pulls per edge agent": check_pulls_per_agent,
     "Workers and their last heartbeat": check_workers,

@@ -302,3 +302,17 @@ def test_run_says_what_a_blob_needs_to_import(farm_home, conv_xml, tmp_path):
     error = json.loads(on_npu.stderr)
     assert error["code"] == "incompatible" and error["exit"] == 4
     assert error["message"].startswith(f"cannot import {blob} on NPU.4000: it is not a blob for")
+
+
+def test_status_shows_where_the_jobs_time_went(farm_home, conv_xml):
+    submitted = farm_json(farm_home, "submit", str(conv_xml), "--device", "CPU")
+    job_id = submitted["job"]["id"]
+    status = farm_json(farm_home, "status", str(job_id))
+    phases = [p["phase"] for p in status["phases"]]
+    assert phases == ["queued", "fetch", "compile", "reference", "upload", "record"]
+    seconds = {p["phase"]: p["seconds"] for p in status["phases"]}
+    assert seconds["compile"] >= status["compile_seconds"] > 0  # the child's whole life
+    assert all(value >= 0 for value in seconds.values())
+    text = farm(farm_home, "status", str(job_id)).stdout
+    assert "phases     queued " in text and ", compile " in text
+    assert row_count(farm_home, "job_phases") == 5

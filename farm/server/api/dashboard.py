@@ -40,6 +40,7 @@ from farm.server.blobs import service as blob_service
 from farm.server.channels import status as channel_status
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
+from farm.server.jobs.phases import phases_of_page
 from farm.server.tokens import Caller, TokenExpired, authenticate
 from farm.server.views import model_names
 
@@ -171,7 +172,7 @@ def dashboard(
             limit,
             workers == "all",
             {**_summary(request), "live_workers": len(live)},
-            html.jobs_table(jobs, model_names(session, jobs)),
+            html.jobs_table(jobs, model_names(session, jobs), phases_of_page(session, jobs)),
             html.blobs_table(blobs, pulls),
             html.workers_table(shown, live),
             _channels(session, running),

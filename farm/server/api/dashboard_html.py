@@ -90,7 +90,9 @@ def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def jobs_table(jobs: Iterable, model_names: Mapping[int, str]) -> str:
+def jobs_table(
+    jobs: Iterable, model_names: Mapping[int, str], phases: Mapping[int, str] | None = None
+) -> str:
     rows = (
         [
             _td(job.id, num=True),
@@ -101,13 +103,14 @@ def jobs_table(jobs: Iterable, model_names: Mapping[int, str]) -> str:
             _td(job.submitter),
             _td(_when(job.created_at)),
             _td(_seconds(job.compile_seconds), num=True),
+            _td((phases or {}).get(job.id, "")),
             _td((job.error or "")[:120]),
         ]
         for job in jobs
     )
     headers = [
         *("job", "model", "target", "state", "queue", "submitter", "created", "compile s"),
-        "error",
+        *("phases (s)", "error"),
     ]
     return _table(headers, rows, "no jobs match")
 

@@ -127,6 +127,12 @@ class JobOut(BaseModel):
     note: str | None = Field(
         None, description="Why a queued job may wait (the broker did not take it; no live worker)."
     )
+    phases: list[dict[str, Any]] | None = Field(
+        None,
+        description="Where its last attempt's time went, in order: the wait in the queue, then "
+        "fetch, convert, compress, compile, reference, upload, record ({phase, seconds}); only "
+        "for one job, not in lists.",
+    )
 
 
 class SubmissionResult(BaseModel):

@@ -339,6 +339,29 @@ class Pull(Base):
     created_at: Mapped[datetime] = mapped_column(comment="Reported, UTC.")
 
 
+class JobPhase(Base):
+    __tablename__ = "job_phases"
+    __table_args__ = (
+        CheckConstraint("seconds >= 0", name="seconds_counted"),
+        Index("ix_job_phases_job_id_attempt", "job_id", "attempt"),
+        {
+            "comment": "Where a job's time went: one row per phase of an attempt (fetch, "
+            "convert, compress, compile, reference, upload, record), timed by the worker. "
+            "Inserted when the attempt ends; never updated or deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), comment="The job.")
+    attempt: Mapped[int] = mapped_column(Integer, comment="Its attempt (jobs.attempts then).")
+    phase: Mapped[str] = mapped_column(
+        String(16),
+        comment="'fetch', 'convert', 'compress', 'compile', 'reference', 'upload' or 'record'.",
+    )
+    started_at: Mapped[datetime] = mapped_column(comment="When the phase began, UTC.")
+    seconds: Mapped[float] = mapped_column(Float, comment="How long it took, s.")
+
+
 class Verification(Base):
     __tablename__ = "verifications"
     __table_args__ = (

@@ -47,6 +47,7 @@ from farm.server.blobs.verifications import inherited_quarantine
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
+from farm.server.jobs.phases import PhaseClock
 from farm.server.jobs.sandbox import blob_limit_message, compile_in_child, reference_in_child
 from farm.server.memory import release_free_memory
 from farm.server.storage import (
@@ -173,13 +174,18 @@ def run_job(
         model_row = session.get_one(Model, job.model_id)
     work_dir = Path(tempfile.mkdtemp(prefix=f"farm-job-{job_id}-", dir=work_root))
     lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
+    clock = PhaseClock()
     try:
         with lease:
             outcome = _compile_and_store(
-                job, model_row, store, work_dir, lease, limits, signer, model_cache
+                job, model_row, store, work_dir, lease, limits, signer, model_cache, clock
             )
         with sessions() as session:
-            return outcome(session)
+            with clock.phase("record"):
+                ended = outcome(session)
+            clock.record(session, job_id, job.attempts)
+            session.commit()
+            return ended
     except Exception as error:
         _release(sessions, job_id, worker, error)
         raise
@@ -187,15 +193,16 @@ def run_job(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
-    """Returns a function that records the outcome in a session (so recording is one place)."""
+def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache, clock):
+    """Returns a function that records the outcome in a session (so recording is one place).
+    `clock` times each phase (`phases.PhaseClock`)."""
     spec = CompileSpec.from_canonical(job.target, job.spec)
     mismatch = _toolchain_mismatch(job, spec.target)
     if mismatch:  # before any byte is fetched or compiled
         return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
     max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
     try:
-        with _work_disk(work_dir):
+        with clock.phase("fetch"), _work_disk(work_dir):
             files = _fetch_model(store, model_row, work_dir, model_cache)
             inputs = _fetch_inputs(store, job, work_dir, model_cache)
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
@@ -204,7 +211,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         return lambda session: _finish(session, job, JobState.FAILED, error=corrupt)
     release_free_memory()  # before the compile child's peak, not after it
     try:
-        with _work_disk(work_dir):  # the model's files staged, the blob moved for the child
+        with clock.phase("compile"), _work_disk(work_dir):  # the files staged, the blob moved
             result, output = compile_in_child(
                 files,
                 spec,
@@ -219,7 +226,8 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
             )
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
-        reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits)
+        with clock.phase("reference"):
+            reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits)
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
@@ -232,13 +240,14 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         return lambda session: _finish(
             session, job, JobState.FAILED, error=message, log_text=log_text
         )
-    # The blob file is ours to give: a local store moves it in (one read, to hash it).
-    stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
-    stored_reference = None
-    if reference.path is not None:
-        digest = sha256_file(reference.path)
-        key = reference_storage_key(job.cache_key, digest)
-        stored_reference = store.put_file(key, reference.path, expected_sha256=digest)
+    with clock.phase("upload"):
+        # The blob file is ours to give: a local store moves it in (one read, to hash it).
+        stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
+        stored_reference = None
+        if reference.path is not None:
+            digest = sha256_file(reference.path)
+            key = reference_storage_key(job.cache_key, digest)
+            stored_reference = store.put_file(key, reference.path, expected_sha256=digest)
     release_free_memory()
     return lambda session: _record_blob(
         session,
