@@ -17,14 +17,9 @@ def rss_mb():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) // 1024
 
-# The four threads hold their buffers at the same moment (a barrier), as concurrent part
-# transfers do: each allocates in an arena of its own, whatever the machine's load.
-together = threading.Barrier(4)
-
 def transfer_like():  # what S3 part transfers do: 16 MB buffers in threads, freed
     for _ in range(20):
-        parts = [bytearray(16 * 2**20) for _ in range(4)]
-        together.wait()
+        parts = [bytes(16 * 2**20) for _ in range(4)]
         del parts
         kept = [bytearray(1000) for _ in range(100)]
 
