@@ -124,7 +124,13 @@ class Fleet:
 
             answer = (await timed("document", http.get(f"/v1/channels/{CHANNEL}/document"))).json()
             document = Document.from_dict(answer["document"])
-            verify_document(self.trust, document, answer["signing_key_id"], answer["signature"])
+            verify_document(
+                self.trust,
+                document,
+                answer["signing_key_id"],
+                answer["signature"],
+                answer.get("certificate"),
+            )
             check_successor(self.accepted[agent], document)
             self.accepted[agent] = document
             revision = document.revision_for(agent)

@@ -365,7 +365,8 @@ class FarmClient:
         return self._call("POST", f"/v1/channels/{_channel(name)}/rollback")
 
     def channel_document(self, name: str) -> dict:
-        """`{document, signature, signing_key_id}`: the edge verifies it (farm/edge/channel.py)."""
+        """`{document, signature, signing_key_id, certificate}`: the edge verifies it
+        (farm/edge/channel.py)."""
         return self._call("GET", f"/v1/channels/{_channel(name)}/document")
 
     def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:

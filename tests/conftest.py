@@ -174,12 +174,18 @@ def served(tmp_path, served_env):
 
 
 @pytest.fixture
-def api(served, tmp_path):
+def api_env(served) -> dict[str, str]:
+    """The environment `api` runs with (a test module may override this fixture)."""
+    return served.env
+
+
+@pytest.fixture
+def api(served, api_env, tmp_path):
     """The served farm's HTTP API, and a token per role: `api.tokens["pull"]`, ..."""
     from farm.server.tokens import create_token
     from tests.integration.served import ApiServer
 
-    server = ApiServer(served.env, tmp_path / "logs" / "api.log").start()
+    server = ApiServer(api_env, tmp_path / "logs" / "api.log").start()
     with served.sessions() as session:
         server.tokens = {
             role: create_token(session, f"test-{role}", role)

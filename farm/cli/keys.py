@@ -1,4 +1,5 @@
-"""`farm keys`: the Ed25519 key pair workers sign blobs with, and the keys an edge trusts."""
+"""`farm keys`: the key pair workers sign blobs with, the API's own certified key, and the keys
+an edge trusts."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ from farm.cli.common import (
     json_option,
     out,
 )
+from farm.core.apikey import (
+    PURPOSES,
+    ApiSigner,
+    certificate_path,
+    certified_purposes,
+    certify_api_key,
+)
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
 from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
-from farm.core.status import certificate_path, certify_status_key
 
 
 @main.group()
@@ -61,14 +68,20 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
 
 @keys.command("create-status")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--if-missing", is_flag=True, help="Keep an existing status key and certificate.")
+@click.option(
+    "--if-missing",
+    is_flag=True,
+    help="Keep an existing key and a certificate that names every purpose.",
+)
 @json_option
 @handle_errors
 def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
-    """Create the API's status key PATH and its certificate PATH.cert, signed by this host's
-    FARM_SIGNING_KEY: the API signs blob statuses with it (FARM_STATUS_KEY=PATH) without
-    holding the blob signing key. Edges need nothing new: the certificate travels with each
-    status. Run it where the signing key is; copy PATH and PATH.cert to the API."""
+    """Create the API's own key PATH and its certificate PATH.cert, signed by this host's
+    FARM_SIGNING_KEY: the API signs blob statuses and channel documents with it
+    (FARM_STATUS_KEY=PATH) without holding the blob signing key, which alone signs blobs.
+    Edges need nothing new: the certificate travels with each signature. Run it where the
+    signing key is; copy PATH and PATH.cert to the API. With --if-missing, an existing
+    certificate for fewer purposes (blob statuses only) is replaced by one for every purpose."""
     settings = get_settings()
     signing = settings.resolved_signing_key
     if signing is None or not signing.exists():
@@ -82,23 +95,34 @@ def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
         if not if_missing:
             raise KeyFileError(f"{path} exists; keys are never overwritten") from None
         key_id = Signer.from_file(path).key_id
-    if not (if_missing and certificate_path(path).exists()):
-        certificate = certify_status_key(certifier, Signer.from_file(path).public_key)
+    certificate = _certificate(path) if if_missing else None
+    if certificate is None or set(PURPOSES) - set(certified_purposes(certificate)):
+        certificate = certify_api_key(certifier, Signer.from_file(path).public_key)
         certificate_path(path).write_text(json.dumps(certificate, indent=2))
     data = {
         "status_key": str(path),
         "certificate": str(certificate_path(path)),
         "key_id": key_id,
-        "certified_by": certifier.key_id,
+        "purposes": list(certified_purposes(certificate)),
+        "certified_by": certificate["signer_id"],
     }
     emit(
         data,
         as_json,
         lambda: out.print(
-            f"status key {key_id}: {path} and {certificate_path(path)}, certified by key "
-            f"{certifier.key_id}; on the API: FARM_STATUS_KEY={path}"
+            f"API key {key_id}: {path} and {certificate_path(path)}, certified by key "
+            f"{data['certified_by']} for {', '.join(data['purposes'])}; on the API: "
+            f"FARM_STATUS_KEY={path}"
         ),
     )
+
+
+def _certificate(path: Path) -> dict | None:
+    """The certificate beside the key `path`, if there is a readable one of that key."""
+    try:
+        return ApiSigner.from_file(path).certificate
+    except KeyFileError:
+        return None
 
 
 @keys.command("show")

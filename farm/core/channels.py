@@ -6,25 +6,24 @@ A channel document names no cache key and no blob: each entry is a model (the sh
 of its files) and a compile spec, and each edge computes the key with its own toolchain. The
 blob it then fetches carries its own signed manifest (the model digests included), so no one
 between the farm's signer and the edge can point it at another blob. The document is signed
-under its own domain (`CHANNEL_DOMAIN`), never readable as a blob manifest or the reverse, and
-carries a `sequence` that grows with every move of the channel: an edge keeps the highest it
-accepted and refuses anything lower (an old document replayed by a proxy, or by an API whose
-database was rolled back), so a fleet returns to an older revision only through a newer,
-signed document (a rollback).
+by the API's key (farm.core.apikey: certified by a blob signing key for channel documents,
+never for manifests) under its own domain (`CHANNEL_DOMAIN`), never readable as a blob
+manifest or the reverse, and carries a `sequence` that grows with every move of the channel:
+an edge keeps the highest it accepted and refuses anything lower (an old document replayed by
+a proxy, or by an API whose database was rolled back), so a fleet returns to an older
+revision only through a newer, signed document (a rollback).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
-
-from farm.core.errors import ChannelReplay, IntegrityMismatch, SignatureError, SpecError
+from farm.core.apikey import CHANNEL_DOCUMENT, ApiSigner, check_signed
+from farm.core.errors import ChannelReplay, IntegrityMismatch, SpecError
 from farm.core.hashing import canonical_json
 from farm.core.identity import key_for
 from farm.core.signing import Signer, TrustedKeys
@@ -189,30 +188,32 @@ def in_stage(channel: str, agent_id: str, percent: int) -> bool:
 
 def sign_document(signer: Signer, document: Document) -> str:
     """The signature (base64) of `document` under `CHANNEL_DOMAIN`."""
-    return base64.b64encode(signer.private.sign(document.message())).decode("ascii")
+    return signer.sign_message(document.message())
+
+
+def signed_document(api: ApiSigner, document: Document) -> dict[str, Any]:
+    """`{signing_key_id, signature, certificate}` of `document`, by the API's key."""
+    return api.sign(CHANNEL_DOCUMENT, document.message())
 
 
 def verify_document(
-    trust: TrustedKeys, document: Document, signer_id: str | None, signature: str | None
+    trust: TrustedKeys,
+    document: Document,
+    signer_id: str | None,
+    signature: str | None,
+    certificate: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raise `SignatureError` unless a key in `trust` signed exactly `document`."""
-    what = f"the document of channel {document.channel!r}"
-    if not signer_id or not signature:
-        raise SignatureError(f"{what} is not signed; refusing it")
-    public = trust.keys.get(signer_id)
-    if public is None:
-        known = ", ".join(sorted(trust.keys)) or "none"
-        raise SignatureError(
-            f"{what} is signed by key {signer_id}, which this machine does not trust "
-            f"(trusted: {known}; FARM_TRUSTED_KEYS)"
-        )
-    try:
-        public.verify(base64.b64decode(signature, validate=True), document.message())
-    except (InvalidSignature, ValueError):
-        raise SignatureError(
-            f"{what} has an invalid signature from key {signer_id}; refusing it (a proxy or "
-            "the farm's API changed it)"
-        ) from None
+    """Raise `SignatureError` unless a key in `trust`, or a key a key in `trust` certified for
+    channel documents (`certificate`: the API's key), signed exactly `document`."""
+    check_signed(
+        trust,
+        CHANNEL_DOCUMENT,
+        document.message(),
+        signer_id,
+        signature,
+        certificate,
+        f"the document of channel {document.channel!r}",
+    )
 
 
 def check_successor(accepted: Document | None, offered: Document) -> None:

@@ -176,10 +176,11 @@ class Settings(BaseSettings):
     allow_unsigned: bool = False
     """Edges: import blobs without checking signatures (development only)."""
     status_key: Path | None = None
-    """The API (and an operator's direct CLI): Ed25519 private key (PEM) that signs blob
-    statuses, with its certificate beside it (``<path>.cert``, `farm keys create-status`).
-    Unset: statuses are signed with FARM_SIGNING_KEY where this host holds it (the embedded
-    farm), else not at all, and edges of this version refuse every blob."""
+    """The API's own key (and an operator's direct CLI's): Ed25519 private key (PEM) that signs
+    blob statuses and channel documents, never blobs, with the certificate a blob signing key
+    gave it beside it (``<path>.cert``, `farm keys create-status`). Unset: both are signed
+    with FARM_SIGNING_KEY where this host holds it (the embedded farm, a one-host farm), else
+    not at all, and edges of this version refuse every blob and channel of this farm."""
     status_lifetime_seconds: int = Field(3600, ge=60, le=366 * 86400)
     """How long an edge may act on a blob status the API signed (whether the farm still offers
     the blob, or quarantined it): the longest a replayed old answer, or a quarantine a proxy

@@ -1,35 +1,27 @@
 """The farm's signed word on a blob at one moment (docs/architecture.md §14): whether it still
 offers the blob or quarantined it, and until when an edge may act on that word.
 
-The API signs a `BlobStatus` on every resolve with its status key (`StatusSigner`); an edge
-that checks signatures acts on its `state`, never on the unsigned `quarantined_at`
-(`verify_status`). The status key is vouched for by a blob signing key with a certificate
-(`certify_status_key`) that lets it sign statuses and nothing else, so the API never holds the
-key that signs blobs. Edge-safe, like farm.core.signing.
+The API signs a `BlobStatus` on every resolve with its own key (`StatusSigner`, the API key of
+farm.core.apikey, which a blob signing key certified to sign statuses and channel documents,
+never manifests), so the API never holds the key that signs blobs; an edge that checks
+signatures acts on its `state`, never on the unsigned `quarantined_at` (`verify_status`).
+Edge-safe, like farm.core.signing.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-from farm.core.errors import KeyFileError, SignatureError
+from farm.core.apikey import BLOB_STATUS, ApiSigner, check_signed
+from farm.core.errors import SignatureError
 from farm.core.hashing import canonical_json
-from farm.core.signing import Manifest, Signer, TrustedKeys, key_id
+from farm.core.signing import Manifest, Signer, TrustedKeys
 
 STATUS_VERSION = 1
 STATUS_DOMAIN = b"farm-blob-status-v1\n"
 """Prefix of a blob status's signed bytes (`BlobStatus`)."""
-STATUS_KEY_DOMAIN = b"farm-status-key-v1\n"
-"""Prefix of a status key's certificate: a blob signing key vouching for a key that may sign
-blob statuses, and nothing else."""
 STATUS_STATES = ("ok", "quarantined")
 STATUS_CLOCK_SKEW_SECONDS = 300
 """How far in the future an edge accepts a status's `signed_at` (clocks differ)."""
@@ -94,40 +86,18 @@ class BlobStatus:
         return STATUS_DOMAIN + canonical_json(self.document())
 
 
-def status_key_message(public: Ed25519PublicKey) -> bytes:
-    """What a status key's certificate covers: the key's id and raw bytes, under its domain."""
-    return STATUS_KEY_DOMAIN + canonical_json(
-        {"key_id": key_id(public), "public_key": _raw_b64(public)}
-    )
-
-
-def _raw_b64(public: Ed25519PublicKey) -> str:
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return base64.b64encode(raw).decode("ascii")
-
-
 def sign_status(signer: Signer, status: BlobStatus) -> str:
     """The signature (base64) of a blob status."""
     return signer.sign_message(status.message())
 
 
-def certify_status_key(signer: Signer, public: Ed25519PublicKey) -> dict[str, str]:
-    """A certificate, by `signer` (a blob signing key), that `public` may sign blob statuses
-    and only those: what an API that holds no blob signing key serves beside its statuses."""
-    return {
-        "key_id": key_id(public),
-        "public_key": _raw_b64(public),
-        "signer_id": signer.key_id,
-        "signature": signer.sign_message(status_key_message(public)),
-    }
-
-
 def verify_status(
     trust: TrustedKeys, record: Mapping[str, Any], manifest: Manifest, at: float
 ) -> BlobStatus:
-    """The record's blob status, once its signature (by a trusted key, or by a status key a
-    trusted key certified) and its binding to `manifest` (cache key, sha256) are checked
-    and it is current at `at` (Unix seconds); SignatureError otherwise."""
+    """The record's blob status, once its signature (by a trusted key, or by a key a trusted
+    key certified for blob statuses: the API's key), its binding to `manifest` (cache key,
+    sha256) and that it is current at `at` (Unix seconds) are checked; SignatureError
+    otherwise."""
     key = manifest.cache_key
     signed = record.get("status")
     if not isinstance(signed, Mapping):
@@ -137,13 +107,15 @@ def verify_status(
             "with FARM_STATUS_KEY or FARM_SIGNING_KEY (an API older than this edge signs none)"
         )
     status = BlobStatus.from_document(signed.get("document"))
-    signer_id, signature = signed.get("signing_key_id"), signed.get("signature")
-    if not isinstance(signer_id, str) or not isinstance(signature, str):
-        raise SignatureError(f"the status of blob {key} has a malformed signature")
-    keys = trust
-    if signer_id not in trust.keys:
-        keys = TrustedKeys({signer_id: _certified(trust, signed.get("certificate"), signer_id)})
-    keys.check(key, signer_id, signature, status.message())
+    check_signed(
+        trust,
+        BLOB_STATUS,
+        status.message(),
+        signed.get("signing_key_id"),
+        signed.get("signature"),
+        signed.get("certificate"),
+        f"the status of blob {key}",
+    )
     if (status.cache_key, status.sha256) != (key, manifest.sha256):
         raise SignatureError(
             f"the signed status offered with blob {key} is about another blob "
@@ -162,44 +134,12 @@ def verify_status(
     return status
 
 
-def _certified(trust: TrustedKeys, certificate: object, signer_id: str) -> Ed25519PublicKey:
-    """The status key of `certificate`, which a trusted key must have signed."""
-    if not isinstance(certificate, Mapping):
-        known = ", ".join(sorted(trust.keys)) or "none"
-        raise SignatureError(
-            f"a blob status is signed by key {signer_id}, which this machine does not trust "
-            f"and no certificate vouches for (trusted: {known}; FARM_TRUSTED_KEYS)"
-        )
-    try:
-        raw = base64.b64decode(str(certificate.get("public_key")), validate=True)
-        public = Ed25519PublicKey.from_public_bytes(raw)
-    except ValueError:
-        raise SignatureError("a status key's certificate is malformed; refusing it") from None
-    if key_id(public) != signer_id or certificate.get("key_id") != signer_id:
-        raise SignatureError(
-            f"the certificate offered for status key {signer_id} is of another key"
-        )
-    by, signature = certificate.get("signer_id"), certificate.get("signature")
-    if not isinstance(by, str) or not isinstance(signature, str):
-        raise SignatureError("a status key's certificate is not signed; refusing it")
-    trust.check(f"(status key {signer_id})", by, signature, status_key_message(public))
-    return public
-
-
-def certificate_path(private_path: Path) -> Path:
-    """Where a status key's certificate lives: beside the key (`farm keys create-status`)."""
-    return private_path.with_name(private_path.name + ".cert")
-
-
 @dataclass(frozen=True)
 class StatusSigner:
-    """Signs the farm's blob statuses (its API, or the direct CLI): with a status key and the
-    certificate a blob signing key gave it, or with the blob signing key itself where the host
-    holds it (the embedded farm)."""
+    """Signs the farm's blob statuses (its API, or the direct CLI) with the API's key."""
 
-    signer: Signer
+    key: ApiSigner
     lifetime_seconds: int
-    certificate: dict[str, str] | None = field(default=None, hash=False)
 
     def signed(self, cache_key: str, sha256: str, quarantined: bool, at: float) -> dict[str, Any]:
         """The signed status of a blob at `at` (Unix seconds), as a blob record carries it."""
@@ -210,25 +150,4 @@ class StatusSigner:
             int(at),
             int(at) + self.lifetime_seconds,
         )
-        return {
-            "document": status.document(),
-            "signing_key_id": self.signer.key_id,
-            "signature": sign_status(self.signer, status),
-            "certificate": self.certificate,
-        }
-
-    @classmethod
-    def from_file(cls, private_path: Path, lifetime_seconds: int) -> StatusSigner:
-        """The status key at `private_path` and its certificate beside it."""
-        signer = Signer.from_file(private_path)
-        path = certificate_path(private_path)
-        try:
-            certificate = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise KeyFileError(
-                f"{path}: no readable certificate for the status key {private_path} ({error}); "
-                "make one with `farm keys create-status PATH` on a host with FARM_SIGNING_KEY"
-            ) from None
-        if not isinstance(certificate, dict) or certificate.get("key_id") != signer.key_id:
-            raise KeyFileError(f"{path} is not the certificate of the status key {private_path}")
-        return cls(signer, lifetime_seconds, certificate)
+        return {"document": status.document(), **self.key.sign(BLOB_STATUS, status.message())}

@@ -49,6 +49,8 @@ class Current:
     keys: list[dict[str, Any]] = field(default_factory=list)
     """Per entry of the revision: name, target, spec summary, cache key."""
     reported_at: float = 0.0
+    certificate: dict[str, Any] | None = None
+    """The signer's certificate, when the API's key signed the document (farm.core.apikey)."""
 
 
 @dataclass
@@ -128,7 +130,11 @@ def sync_channel(
         )
     if agent.trust is not None:
         verify_document(
-            agent.trust, document, offered.get("signing_key_id"), offered.get("signature")
+            agent.trust,
+            document,
+            offered.get("signing_key_id"),
+            offered.get("signature"),
+            offered.get("certificate"),
         )
     check_successor(accepted, document)
     revision = document.revision_for(agent.agent_id)
@@ -138,7 +144,7 @@ def sync_channel(
         result.keys = current.keys
         if document.sequence != accepted.sequence:  # a move that leaves this edge where it is
             current.document = document.as_dict()
-            current.signature, current.signing_key_id = _signed(offered)
+            current.signature, current.signing_key_id, current.certificate = _signed(offered)
             save_current(folder, current)
         elif time.time() - current.reported_at < REPORT_EVERY_SECONDS:
             return result  # nothing changed and reported lately: no request at all
@@ -154,7 +160,10 @@ def sync_channel(
         else:
             _report(agent, source, name, result, current, folder)
         return result
-    current = Current(document.as_dict(), *_signed(offered), wanted, keys)
+    signature, signing_key_id, certificate = _signed(offered)
+    current = Current(
+        document.as_dict(), signature, signing_key_id, wanted, keys, certificate=certificate
+    )
     save_current(folder, current)
     result.status = "switched" if revision is not None else "empty"
     result.revision, result.keys, result.downloaded = wanted, keys, downloaded
@@ -201,8 +210,13 @@ def _fetch_all(
     return keys, downloaded
 
 
-def _signed(offered: dict[str, Any]) -> tuple[str | None, str | None]:
-    return offered.get("signature"), offered.get("signing_key_id")
+def _signed(offered: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any] | None]:
+    certificate = offered.get("certificate")
+    return (
+        offered.get("signature"),
+        offered.get("signing_key_id"),
+        certificate if isinstance(certificate, dict) else None,
+    )
 
 
 def _report(

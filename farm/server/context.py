@@ -19,6 +19,7 @@ from functools import cached_property
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from farm.core.apikey import ApiSigner
 from farm.core.config import Settings, get_settings
 from farm.core.errors import DatabaseUnavailable
 from farm.core.filecache import BlobCache
@@ -81,14 +82,20 @@ class FarmContext:
         return load_signer(settings.resolved_signing_key, create=not settings.served)
 
     @cached_property
-    def status_signer(self) -> StatusSigner | None:
-        """Signs blob statuses: FARM_STATUS_KEY with its certificate, else the blob signing
-        key where this host holds it; None: edges of this version refuse this farm's blobs."""
+    def api_signer(self) -> ApiSigner | None:
+        """Signs blob statuses and channel documents: FARM_STATUS_KEY with its certificate,
+        else the blob signing key where this host holds it anyway (the embedded farm, a
+        one-host farm); None: edges of this version refuse this farm's blobs and channels."""
         settings = self.settings
         if settings.status_key is not None:
-            return StatusSigner.from_file(settings.status_key, settings.status_lifetime_seconds)
+            return ApiSigner.from_file(settings.status_key)
         signer = self.signer
-        return None if signer is None else StatusSigner(signer, settings.status_lifetime_seconds)
+        return None if signer is None else ApiSigner(signer)
+
+    @cached_property
+    def status_signer(self) -> StatusSigner | None:
+        key = self.api_signer
+        return None if key is None else StatusSigner(key, self.settings.status_lifetime_seconds)
 
     @cached_property
     def run_limits(self) -> RunLimits:

@@ -1,9 +1,10 @@
 """Fleet rollouts for real: a served farm (PostgreSQL, Redis, SeaweedFS, a `farm worker`, `farm
-api`), and edge agents that are separate `farm agent sync --channel` processes, each with its
-own cache and agent id, following one channel through its first revision, a staged promotion
-(the same half of the fleet moves), a promotion the fleet's failed verification blocks, a
-rollback, a proxy that swaps or replays the channel document, an edge killed in the middle of
-a switch, and a prebuild for a second OpenVINO release whose edges then find hits."""
+api` holding its own certified key and not the blob signing key), and edge agents that are
+separate `farm agent sync --channel` processes, each with its own cache and agent id,
+following one channel through its first revision, a staged promotion (the same half of the
+fleet moves), a promotion the fleet's failed verification blocks, a rollback, a proxy that
+swaps or replays the channel document, an edge killed in the middle of a switch, and a
+prebuild for a second OpenVINO release whose edges then find hits."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ import httpx
 import pytest
 
 from farm.core.channels import in_stage
+from farm.core.signing import Signer
 from farm.toolchain import openvino_release
 from tests import models
 from tests.integration.test_releases import OLD_RELEASE, old_python  # noqa: F401
 
 CHANNEL = "cameras"
+
+
+@pytest.fixture
+def api_env(served, tmp_path) -> dict[str, str]:
+    """The API as docker/compose.yaml runs it: its own key (FARM_STATUS_KEY), certified by the
+    workers' signing key with `farm keys create-status`, and no FARM_SIGNING_KEY: it signs
+    statuses and channel documents, never a blob. Edges trust only the signing key."""
+    key = tmp_path / "api-key" / "api.pem"
+    served.farm("keys", "create-status", str(key))
+    env = {k: v for k, v in served.env.items() if k != "FARM_SIGNING_KEY"}
+    return {**env, "FARM_STATUS_KEY": str(key)}
 
 
 class DocumentProxy:
@@ -212,6 +225,14 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
     farm_run(submitter, "channel", "create", "other", expect=6)  # a submit token may not
     first = farm_run(admin, "channel", "set", CHANNEL, str(paths[1]), "-d", "CPU")
     assert first["stable_revision"] == 1
+    # Signed by the API's own key, with the certificate the signing key gave it.
+    assert "FARM_SIGNING_KEY" not in api.env
+    pull = {"Authorization": f"Bearer {api.tokens['pull']}"}
+    served_document = httpx.get(f"{api.url}/v1/channels/{CHANNEL}/document", headers=pull).json()
+    api_key = Signer.from_file(Path(api.env["FARM_STATUS_KEY"]))
+    blob_key = Signer.from_file(Path(served.env["FARM_SIGNING_KEY"]))
+    assert served_document["signing_key_id"] == api_key.key_id
+    assert served_document["certificate"]["signer_id"] == blob_key.key_id
     synced = fleet.sync("--verify")
     assert {r["status"] for r in synced.values()} == {"switched"}
     assert {r["revision"] for r in synced.values()} == {1}
@@ -297,11 +318,11 @@ def test_a_fleet_follows_a_channel_through_stages_a_blocked_promotion_and_a_roll
             document["percent"], document["candidate"] = 100, staged_document["candidate"]
             return {**answer, "document": document}
 
-        staged_document = _signed_at(served, CHANNEL, 3)["document"]
+        staged_document = _signed_at(served, api, CHANNEL, 3)["document"]
         proxy.rewrite = swap
         error = farm_run(proxied, "agent", "sync", "--channel", CHANNEL, expect=8)
         assert error["code"] == "signature_invalid"
-        proxy.rewrite = lambda answer: {**answer, **_signed_at(served, CHANNEL, 3)}
+        proxy.rewrite = lambda answer: {**answer, **_signed_at(served, api, CHANNEL, 3)}
         error = farm_run(proxied, "agent", "sync", "--channel", CHANNEL, expect=8)
         assert error["code"] == "channel_replay" and "older than" in error["message"]
         assert fleet.current(name) == before
@@ -392,14 +413,14 @@ def _channel_row(served, name: str):
         return session.scalar(select(Channel).where(Channel.name == name))
 
 
-def _signed_at(served, name: str, sequence: int) -> dict:
+def _signed_at(served, api, name: str, sequence: int) -> dict:
     """A genuine older document: rebuilt from the audit and the revisions, signed with the
-    farm's key exactly as the farm signed it at that sequence (what a proxy that recorded it
+    API's key exactly as the API signed it at that sequence (what a proxy that recorded it
     would replay)."""
     from sqlalchemy import select
 
-    from farm.core.channels import Document, sign_document
-    from farm.core.signing import load_signer
+    from farm.core.apikey import ApiSigner
+    from farm.core.channels import Document, signed_document
     from farm.server.channels import service
     from farm.server.db.models import ChannelMove
 
@@ -419,13 +440,8 @@ def _signed_at(served, name: str, sequence: int) -> dict:
         move.percent if move.candidate_revision else 0,
         move.action,
     )
-    signer = load_signer(Path(served.env["FARM_SIGNING_KEY"]))
-    assert signer is not None
-    return {
-        "document": document.as_dict(),
-        "signature": sign_document(signer, document),
-        "signing_key_id": signer.key_id,
-    }
+    signer = ApiSigner.from_file(Path(api.env["FARM_STATUS_KEY"]))
+    return {"document": document.as_dict(), **signed_document(signer, document)}
 
 
 def test_a_switch_that_cannot_complete_leaves_the_edge_on_its_revision_and_says_why(tmp_path):

@@ -413,10 +413,11 @@ def _status_signed(home: Path, key: str, signed_ago: int) -> dict:
     """The status the farm's key signed `signed_ago` seconds ago, with the default lifetime."""
     import time
 
+    from farm.core.apikey import ApiSigner
     from farm.core.status import StatusSigner
 
     ((sha,),) = sql(home, "SELECT sha256 FROM blobs WHERE cache_key = ?", key)
-    signer = StatusSigner(Signer.from_file(home / "keys" / "signing.pem"), 3600)
+    signer = StatusSigner(ApiSigner(Signer.from_file(home / "keys" / "signing.pem")), 3600)
     return signer.signed(key, sha, False, time.time() - signed_ago)
 
 

@@ -10,12 +10,14 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
-from farm.core import channels
+from farm.core import apikey, channels
+from farm.core.apikey import ApiSigner, certify_api_key
 from farm.core.channels import Document, Entry, Revision, check_successor
 from farm.core.errors import (
     ChannelReplay,
     Conflict,
     IntegrityMismatch,
+    KeyFileError,
     NotFound,
     PromotionBlocked,
     SignatureError,
@@ -160,7 +162,7 @@ def promote(farm, number: int, percent: int, force: bool = False, min_verificati
     with farm.session() as session:
         return service.promote(
             session,
-            farm.signer,
+            farm.api_signer,
             "cameras",
             number,
             percent,
@@ -189,15 +191,15 @@ def test_moves_gates_force_audit_and_rollback(embedded_farm):
     farm = embedded_farm
     one, two = model_entry(farm, "one"), model_entry(farm, "two")
     with farm.session() as session:
-        service.create(session, farm.signer, "cameras", "alice")
+        service.create(session, farm.api_signer, "cameras", "alice")
         with pytest.raises(Conflict):
-            service.create(session, farm.signer, "cameras", "alice")
+            service.create(session, farm.api_signer, "cameras", "alice")
         with pytest.raises(NotFound, match="submit it first"):
             service.set_revision(
-                session, farm.signer, "cameras", [Entry("x", {"onnx": "9" * 64}, CPU)], "alice"
+                session, farm.api_signer, "cameras", [Entry("x", {"onnx": "9" * 64}, CPU)], "alice"
             )
-        service.set_revision(session, farm.signer, "cameras", [one], "alice")
-        service.set_revision(session, farm.signer, "cameras", [one, two], "bob")
+        service.set_revision(session, farm.api_signer, "cameras", [one], "alice")
+        service.set_revision(session, farm.api_signer, "cameras", [one, two], "bob")
         channel = service.get(session, "cameras")
         # The first revision runs at once; the second waits for a promotion.
         assert (channel.stable_revision, channel.candidate_revision, channel.sequence) == (
@@ -244,10 +246,10 @@ def test_moves_gates_force_audit_and_rollback(embedded_farm):
             ("promote", 2, 100, True),
         ]
         assert "quarantined" in moves[4].gate_report and moves[4].actor == "alice"
-        back = service.rollback(session, farm.signer, "cameras", "carol")
+        back = service.rollback(session, farm.api_signer, "cameras", "carol")
         assert (back.stable_revision, back.previous_revisions, back.sequence) == (1, [], 6)
         with pytest.raises(Conflict, match="no earlier revision"):
-            service.rollback(session, farm.signer, "cameras", "carol")
+            service.rollback(session, farm.api_signer, "cameras", "carol")
         signed = service.document_of(session, "cameras")
     doc = Document.from_dict(signed["document"])
     assert (doc.sequence, doc.stable.number, doc.candidate, doc.move) == (6, 1, None, "rollback")
@@ -262,19 +264,74 @@ def test_gc_keeps_the_blobs_a_kept_revision_names(embedded_farm):
     kept = add_blob(farm, 1, key(1), created_at=_days_ago(90))
     loose = add_blob(farm, 2, key(2), created_at=_days_ago(90))
     with farm.session() as session:
-        service.create(session, farm.signer, "cameras", "alice")
-        service.set_revision(session, farm.signer, "cameras", [one], "alice")
+        service.create(session, farm.api_signer, "cameras", "alice")
+        service.set_revision(session, farm.api_signer, "cameras", [one], "alice")
         report = gc.collect(session, farm.store, 30)
     assert [b.cache_key for b in report.blobs] == [loose.cache_key]
     assert kept.cache_key not in {b.cache_key for b in report.blobs}
+
+
+def test_the_api_signs_channel_documents_with_its_certified_key(embedded_farm):
+    """A farm whose API holds its own key (FARM_STATUS_KEY) and not the blob signing key: each
+    move is signed by that key, and edges that trust only the blob signing key accept the
+    document through the certificate it is served with."""
+    farm = embedded_farm
+    blob_key = farm.signer
+    api_key = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32, 64))))
+    api = ApiSigner(api_key, certify_api_key(blob_key, api_key.public_key))
+    trust = TrustedKeys({}).with_key(blob_key.public_key)
+    one = model_entry(farm, "one")
+    with farm.session() as session:
+        service.create(session, api, "cameras", "alice")
+        service.set_revision(session, api, "cameras", [one], "alice")
+        assert service.get(session, "cameras").signing_key_id == api.key_id
+        served = service.document_of(session, "cameras", api)
+    doc = Document.from_dict(served["document"])
+    assert served["signing_key_id"] == api.key_id and served["certificate"] == api.certificate
+    channels.verify_document(
+        trust, doc, served["signing_key_id"], served["signature"], served["certificate"]
+    )
+    with pytest.raises(SignatureError, match="no certificate vouches"):
+        channels.verify_document(trust, doc, served["signing_key_id"], served["signature"])
+
+
+def test_a_document_an_earlier_key_signed_is_served_signed_by_the_current_one(embedded_farm):
+    """After the API's key is replaced (or an operator's CLI moved the channel with the blob
+    key), the same document is served signed by the API's current key: no edge sees a move."""
+    farm = embedded_farm
+    old = ApiSigner(farm.signer)
+    api_key = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32, 64))))
+    api = ApiSigner(api_key, certify_api_key(farm.signer, api_key.public_key))
+    with farm.session() as session:
+        service.create(session, old, "cameras", "alice")
+        stored = service.document_of(session, "cameras")
+        served = service.document_of(session, "cameras", api)
+    assert stored["signing_key_id"] == farm.signer.key_id and stored["certificate"] is None
+    assert served["document"] == stored["document"] and served["signing_key_id"] == api.key_id
+    doc = Document.from_dict(served["document"])
+    trust = TrustedKeys({}).with_key(farm.signer.public_key)
+    channels.verify_document(
+        trust, doc, served["signing_key_id"], served["signature"], served["certificate"]
+    )
+    check_successor(Document.from_dict(stored["document"]), doc)  # the very same document
+
+
+def test_a_key_certified_for_statuses_only_moves_no_channel(embedded_farm):
+    farm = embedded_farm
+    api_key = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32, 64))))
+    certificate = certify_api_key(farm.signer, api_key.public_key, [apikey.BLOB_STATUS])
+    with farm.session() as session, pytest.raises(KeyFileError, match="create-status"):
+        service.create(session, ApiSigner(api_key, certificate), "cameras", "alice")
+    with farm.session() as session, pytest.raises(NotFound):
+        service.get(session, "cameras")
 
 
 def test_edge_reports_are_one_row_per_edge_and_status_groups_them(embedded_farm):
     farm = embedded_farm
     one = model_entry(farm, "one")
     with farm.session() as session:
-        service.create(session, farm.signer, "cameras", "alice")
-        service.set_revision(session, farm.signer, "cameras", [one], "alice")
+        service.create(session, farm.api_signer, "cameras", "alice")
+        service.set_revision(session, farm.api_signer, "cameras", [one], "alice")
         base = {"openvino": "2026.4.1", "targets": ["CPU"], "sequence": 2, "wanted_revision": 1}
         service.record_edge(session, "cameras", "a", {**base, "revision": None, "ok": True})
         service.record_edge(session, "cameras", "a", {**base, "revision": 1, "ok": True})

@@ -75,14 +75,17 @@ def test_workers_offer_the_memory_of_their_container(services):
     assert int(worker["environment"]["FARM_WORKER_MEMORY_BYTES"]) == limit_bytes
 
 
-def test_the_api_signs_statuses_with_a_certified_key_of_its_own(services):
+def test_the_api_signs_statuses_and_channels_with_a_certified_key_of_its_own(services):
+    """The API holds FARM_STATUS_KEY (statuses and channel documents) and never the blob
+    signing key: neither the setting nor the volume it lives in."""
     api, maker = services["api"], services["status-key"]
     made = parse(maker["command"]).params
     assert made["if_missing"] and api["environment"]["FARM_STATUS_KEY"] == str(made["path"])
-    assert "FARM_SIGNING_KEY" not in api["environment"]  # the API never holds the blob key
+    assert "FARM_SIGNING_KEY" not in api["environment"]
     assert maker["environment"]["FARM_SIGNING_KEY"] == "/keys/signing.pem"
     assert api["depends_on"]["status-key"] == {"condition": "service_completed_successfully"}
-    assert "status-key:/status:ro" in api["volumes"]
+    assert api["volumes"] == ["status-key:/status:ro"]
+    assert not any(volume.startswith("keys:") for volume in api["volumes"])
 
 
 def test_the_image_runs_the_compile_child_as_a_user_of_its_own_through_the_launcher(services):

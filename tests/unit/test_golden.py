@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from farm.core import blobformat, hashing, signing, status
+from farm.core import apikey, blobformat, channels, hashing, signing, status
 from farm.core.errors import BlobFormatError, SignatureError
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import Manifest, Signer, TrustedKeys
@@ -254,45 +254,65 @@ GOLDEN_STATUS = (
 )
 STATUS_SEED = bytes(range(32, 64))
 GOLDEN_STATUS_KEY_ID = "24f6ed6acbfe1009"
+GOLDEN_API_KEY_MESSAGE = (
+    b'farm-api-key-v1\n{"key_id":"24f6ed6acbfe1009",'
+    b'"public_key":"Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc=",'
+    b'"purposes":["blob-status","channel-document"]}'
+)
+GOLDEN_API_CERTIFICATE = {
+    "key_id": GOLDEN_STATUS_KEY_ID,
+    "public_key": "Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc=",
+    "purposes": ["blob-status", "channel-document"],
+    "signer_id": GOLDEN_KEY_ID,
+    "signature": "gfue9epvXscmYb2/BCS12Sht8Zn4Q3IYZ2/6Pnbf6Y2WIH5D749fVmKf5JzjXjjzx0Y1TGkokxvqdKzT"
+    "5F/dCg==",
+}
 GOLDEN_STATUS_KEY_MESSAGE = (
     b'farm-status-key-v1\n{"key_id":"24f6ed6acbfe1009",'
     b'"public_key":"Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc="}'
 )
-GOLDEN_CERTIFICATE = {
+GOLDEN_STATUS_KEY_CERTIFICATE = {
     "key_id": GOLDEN_STATUS_KEY_ID,
     "public_key": "Kay64UG8yvCyLhqU000LxzYeUm0L/hLIl5S8kyKWbdc=",
     "signer_id": GOLDEN_KEY_ID,
     "signature": "gWxWpBV6WTvuqZV0h77wtxbM/7p2EKIQatI13oTnT+CFBn13edVaPJeJhtIGltN1DrB+VVFU6AusRyUD"
     "YcZFCg==",
 }
+"""The first form (`farm keys create-status` before channel documents were the API's to sign):
+no purposes, read as a certificate for blob statuses only."""
 GOLDEN_STATUS_BY_STATUS_KEY = (
     "vQqfIwb2De4HdQWWKuhgepOYPlmf9d7gSwuVTabC4HN3gz7gwWmxlFFY+GLjymfrSPx047XJioWKZZIWC3dFCA=="
+)
+CHANNEL_DOCUMENT = channels.Document("cameras", 1, None, None, 0, "create")
+GOLDEN_CHANNEL_BY_API_KEY = (
+    "t+7ZwJdQZEZ5Efow+4fbozgySGztIEhNdKeQeHdijUeX/NZ4GiGgQvNzft49egncKSbfDybrtDoaJP2/HZ/vBQ=="
 )
 BUMP_STATUS = BUMP_SIGNATURE.replace(
     "farm.core.signing.MANIFEST_VERSION and MANIFEST_DOMAIN (or MESSAGE_VERSION for the v1 "
     "signature)",
-    "farm.core.status.STATUS_VERSION and STATUS_DOMAIN (or STATUS_KEY_DOMAIN)",
+    "farm.core.status.STATUS_VERSION and STATUS_DOMAIN (or farm.core.apikey.API_KEY_DOMAIN)",
 )
 
 
-def test_the_blob_status_and_the_status_key_certificate(signer):
-    """The status an API signs on every resolve, by the blob signing key or by a status key
-    that key certified: edges of every later version must read both."""
+def test_the_blob_status_and_the_api_key_certificate(signer):
+    """The status an API signs on every resolve, by the blob signing key or by an API key that
+    key certified (for every purpose, or in the first form for statuses only), and the channel
+    document the API key signs: edges of every later version must read them all."""
     assert STATUS.message() == GOLDEN_STATUS_MESSAGE, BUMP_STATUS
     assert status.sign_status(signer, STATUS) == GOLDEN_STATUS, BUMP_STATUS
-    status_key = Signer(Ed25519PrivateKey.from_private_bytes(STATUS_SEED))
-    assert status_key.key_id == GOLDEN_STATUS_KEY_ID
-    assert status.status_key_message(status_key.public_key) == GOLDEN_STATUS_KEY_MESSAGE
-    assert status.certify_status_key(signer, status_key.public_key) == GOLDEN_CERTIFICATE, (
-        BUMP_STATUS
-    )
-    assert status.sign_status(status_key, STATUS) == GOLDEN_STATUS_BY_STATUS_KEY, BUMP_STATUS
+    api_key = Signer(Ed25519PrivateKey.from_private_bytes(STATUS_SEED))
+    assert api_key.key_id == GOLDEN_STATUS_KEY_ID
+    assert apikey.api_key_message(api_key.public_key, apikey.PURPOSES) == GOLDEN_API_KEY_MESSAGE
+    assert apikey.certify_api_key(signer, api_key.public_key) == GOLDEN_API_CERTIFICATE, BUMP_STATUS
+    assert apikey.status_key_message(api_key.public_key) == GOLDEN_STATUS_KEY_MESSAGE
+    assert status.sign_status(api_key, STATUS) == GOLDEN_STATUS_BY_STATUS_KEY, BUMP_STATUS
     trusted = TrustedKeys({GOLDEN_KEY_ID: signer.public_key})
     manifest = Manifest(**{**MANIFEST.fields()})
     at = STATUS.signed_at + 10
     for signer_id, signature, certificate in (
         (GOLDEN_KEY_ID, GOLDEN_STATUS, None),
-        (GOLDEN_STATUS_KEY_ID, GOLDEN_STATUS_BY_STATUS_KEY, GOLDEN_CERTIFICATE),
+        (GOLDEN_STATUS_KEY_ID, GOLDEN_STATUS_BY_STATUS_KEY, GOLDEN_API_CERTIFICATE),
+        (GOLDEN_STATUS_KEY_ID, GOLDEN_STATUS_BY_STATUS_KEY, GOLDEN_STATUS_KEY_CERTIFICATE),
     ):
         record = {
             "status": {
@@ -303,6 +323,19 @@ def test_the_blob_status_and_the_status_key_certificate(signer):
             }
         }
         assert status.verify_status(trusted, record, manifest, at) == STATUS
+    signature = channels.sign_document(api_key, CHANNEL_DOCUMENT)
+    assert signature == GOLDEN_CHANNEL_BY_API_KEY, BUMP_STATUS
+    channels.verify_document(
+        trusted, CHANNEL_DOCUMENT, GOLDEN_STATUS_KEY_ID, signature, GOLDEN_API_CERTIFICATE
+    )
+    with pytest.raises(SignatureError, match="not for channel-document"):
+        channels.verify_document(
+            trusted,
+            CHANNEL_DOCUMENT,
+            GOLDEN_STATUS_KEY_ID,
+            signature,
+            GOLDEN_STATUS_KEY_CERTIFICATE,
+        )
 
 
 def test_a_reference_refusal_names_the_blob_by_its_64_character_key(signer):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from farm.core.apikey import ApiSigner, certify_api_key
 from farm.core.errors import BlobQuarantined, SignatureError
 from farm.core.filecache import BlobCache
 from farm.core.signing import Manifest, Signer, TrustedKeys
@@ -17,7 +18,6 @@ from farm.core.spec import Toolchain
 from farm.core.status import (
     STATUS_CLOCK_SKEW_SECONDS,
     StatusSigner,
-    certify_status_key,
     verify_status,
 )
 from farm.edge.agent import EdgeAgent
@@ -47,7 +47,7 @@ def record(quarantined: bool = False, status_signer: StatusSigner | None = None,
         "model": {"xml": "2" * 64},
     }
     manifest = Manifest.from_record(fields)
-    signer = status_signer or StatusSigner(FARM, 3600)
+    signer = status_signer or StatusSigner(ApiSigner(FARM), 3600)
     return {
         **fields,
         "signing_key_id": FARM.key_id,
@@ -96,14 +96,15 @@ def test_an_expired_or_future_status_is_refused():
 
 
 def test_a_status_of_other_bytes_is_refused():
-    other = StatusSigner(FARM, 3600).signed(KEY, "9" * 64, False, NOW)
+    other = StatusSigner(ApiSigner(FARM), 3600).signed(KEY, "9" * 64, False, NOW)
     blob = {**record(), "status": other}
     with pytest.raises(SignatureError, match="about another blob"):
         verify_status(TRUST, blob, manifest_of(blob), NOW)
 
 
 def test_a_certified_status_key_signs_statuses_and_nothing_else():
-    certified = StatusSigner(STATUS_KEY, 3600, certify_status_key(FARM, STATUS_KEY.public_key))
+    certificate = certify_api_key(FARM, STATUS_KEY.public_key)
+    certified = StatusSigner(ApiSigner(STATUS_KEY, certificate), 3600)
     blob = record(status_signer=certified)
     assert verify_status(TRUST, blob, manifest_of(blob), NOW).state == "ok"
     # The certificate does not make the status key a manifest key.
@@ -117,10 +118,10 @@ def test_a_certified_status_key_signs_statuses_and_nothing_else():
 def test_a_status_key_without_a_trusted_certificate_is_refused(forgery):
     certificate = {
         "uncertified": None,
-        "self-certified": certify_status_key(STRANGER, STRANGER.public_key),
-        "other key's": certify_status_key(FARM, STATUS_KEY.public_key),
+        "self-certified": certify_api_key(STRANGER, STRANGER.public_key),
+        "other key's": certify_api_key(FARM, STATUS_KEY.public_key),
     }[forgery]
-    blob = record(status_signer=StatusSigner(STRANGER, 3600, certificate))
+    blob = record(status_signer=StatusSigner(ApiSigner(STRANGER, certificate), 3600))
     with pytest.raises(SignatureError):
         verify_status(TRUST, blob, manifest_of(blob), NOW)
 

@@ -268,7 +268,7 @@ class Direct:
 
     def create_channel(self, name: str) -> dict[str, Any]:
         with self._session() as session:
-            channel = channels.create(session, self.farm.signer, name, _operator())
+            channel = channels.create(session, self.farm.api_signer, name, _operator())
             return channel_status.channel_dict(channel)
 
     def channel(self, name: str, revision: int | None = None) -> dict[str, Any]:
@@ -278,7 +278,7 @@ class Direct:
     def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
         parsed = [Entry.from_dict(entry) for entry in entries]
         with self._session() as session:
-            channels.set_revision(session, self.farm.signer, name, parsed, _operator())
+            channels.set_revision(session, self.farm.api_signer, name, parsed, _operator())
             return channel_status.show(session, name)
 
     def promote_channel(
@@ -287,7 +287,7 @@ class Direct:
         with self._session() as session:
             channel = channels.promote(
                 session,
-                self.farm.signer,
+                self.farm.api_signer,
                 name,
                 revision,
                 percent,
@@ -299,12 +299,12 @@ class Direct:
 
     def rollback_channel(self, name: str) -> dict[str, Any]:
         with self._session() as session:
-            channel = channels.rollback(session, self.farm.signer, name, _operator())
+            channel = channels.rollback(session, self.farm.api_signer, name, _operator())
             return channel_status.channel_dict(channel)
 
     def channel_document(self, name: str) -> dict[str, Any]:
         with self._session() as session:
-            return channels.document_of(session, name)
+            return channels.document_of(session, name, self.farm.api_signer)
 
     def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:
         fields = dict(report)

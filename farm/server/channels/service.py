@@ -16,11 +16,18 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from farm.core.channels import Document, Entry, Revision, check_name, check_percent, sign_document
+from farm.core.apikey import CHANNEL_DOCUMENT, ApiSigner
+from farm.core.channels import (
+    Document,
+    Entry,
+    Revision,
+    check_name,
+    check_percent,
+    signed_document,
+)
 from farm.core.clock import now
 from farm.core.errors import Conflict, NotFound, PromotionBlocked
 from farm.core.hashing import canonical_json, model_digest
-from farm.core.signing import Signer
 from farm.server.channels.gates import gate_problems
 from farm.server.db.models import Channel, ChannelEdge, ChannelMove, ChannelRevision, Model
 
@@ -35,7 +42,7 @@ def get(session: Session, name: str, lock: bool = False) -> Channel:
     return channel
 
 
-def create(session: Session, signer: Signer | None, name: str, actor: str) -> Channel:
+def create(session: Session, signer: ApiSigner | None, name: str, actor: str) -> Channel:
     check_name(name)
     if session.scalar(select(Channel.id).where(Channel.name == name)) is not None:
         raise Conflict(f"channel {name!r} exists already")
@@ -61,7 +68,7 @@ def create(session: Session, signer: Signer | None, name: str, actor: str) -> Ch
 
 
 def set_revision(
-    session: Session, signer: Signer | None, name: str, entries: Sequence[Entry], actor: str
+    session: Session, signer: ApiSigner | None, name: str, entries: Sequence[Entry], actor: str
 ) -> ChannelRevision:
     """A new revision running `entries` (each model must be known to the farm: submitted)."""
     if not entries:
@@ -101,7 +108,7 @@ def set_revision(
 
 def promote(
     session: Session,
-    signer: Signer | None,
+    signer: ApiSigner | None,
     name: str,
     number: int,
     percent: int,
@@ -158,7 +165,7 @@ def promote(
     return channel
 
 
-def rollback(session: Session, signer: Signer | None, name: str, actor: str) -> Channel:
+def rollback(session: Session, signer: ApiSigner | None, name: str, actor: str) -> Channel:
     """Everyone back to the previous revision at their next sync: a candidate is withdrawn;
     without one, the stable revision before the current one becomes stable again."""
     channel = get(session, name, lock=True)
@@ -176,14 +183,22 @@ def rollback(session: Session, signer: Signer | None, name: str, actor: str) -> 
     return channel
 
 
-def document_of(session: Session, name: str) -> dict[str, Any]:
-    """What an edge fetches: the signed document, its signature and signer."""
+def document_of(session: Session, name: str, signer: ApiSigner | None = None) -> dict[str, Any]:
+    """What an edge fetches: the signed document, its signature, signer and the signer's
+    certificate. A document an earlier key signed (before the API's key was replaced, or by
+    an operator's CLI with the blob signing key) is served signed by `signer`, the key this
+    farm signs with now: the same bytes, so no edge sees a move, and edges that trust only
+    the blob signing key still find a certificate they can check."""
     channel = get(session, name)
-    return {
-        "document": channel.document,
+    signed: dict[str, Any] = {
         "signature": channel.signature,
         "signing_key_id": channel.signing_key_id,
     }
+    if signer is not None and channel.document and signer.may_sign(CHANNEL_DOCUMENT):
+        if channel.signing_key_id != signer.key_id:
+            signed = signed_document(signer, Document.from_dict(channel.document))
+        signed["certificate"] = signer.certificate
+    return {"document": channel.document, "certificate": None, **signed}
 
 
 EDGE_FIELDS = (
@@ -288,9 +303,9 @@ def _entries(row: ChannelRevision) -> tuple[Entry, ...]:
     return tuple(Entry.from_dict(entry) for entry in row.entries)
 
 
-def _publish(session: Session, signer: Signer | None, channel: Channel, move: str) -> None:
+def _publish(session: Session, signer: ApiSigner | None, channel: Channel, move: str) -> None:
     """The channel's next document: its rollout columns, the revisions' entries, the next
-    sequence; signed (by the farm's key, when it has one)."""
+    sequence; signed by the API's key (or the blob signing key where this host holds it)."""
 
     def revision(number: int | None) -> Revision | None:
         return (
@@ -309,8 +324,11 @@ def _publish(session: Session, signer: Signer | None, channel: Channel, move: st
     )
     channel.sequence = document.sequence
     channel.document = document.as_dict()
-    channel.signature = sign_document(signer, document) if signer else None
-    channel.signing_key_id = signer.key_id if signer else None
+    signed = signed_document(signer, document) if signer else {}
+    channel.signature, channel.signing_key_id = (
+        signed.get("signature"),
+        signed.get("signing_key_id"),
+    )
     channel.updated_at = now()
 
 

@@ -82,7 +82,7 @@ def entry_of(body: EntryIn) -> Entry:
 @router.post("/v1/channels", status_code=201)
 def create(body: ChannelIn, farm: Farm, caller: ReleaseCaller) -> dict[str, Any]:
     with farm.session() as session:
-        channel = service.create(session, farm.signer, body.name, caller.name)
+        channel = service.create(session, farm.api_signer, body.name, caller.name)
         return status.channel_dict(channel)
 
 
@@ -104,7 +104,7 @@ def set_revision(
 ) -> dict[str, Any]:
     entries = [entry_of(entry) for entry in body.entries]
     with farm.session() as session:
-        service.set_revision(session, farm.signer, name, entries, caller.name)
+        service.set_revision(session, farm.api_signer, name, entries, caller.name)
         return status.show(session, name)
 
 
@@ -122,7 +122,7 @@ def promote(
     with farm.session() as session:
         channel = service.promote(
             session,
-            farm.signer,
+            farm.api_signer,
             name,
             body.revision,
             body.percent,
@@ -136,14 +136,14 @@ def promote(
 @router.post("/v1/channels/{name}/rollback", responses={404: {}, 409: {}})
 def rollback(name: ChannelName, farm: Farm, caller: ReleaseCaller) -> dict[str, Any]:
     with farm.session() as session:
-        return status.channel_dict(service.rollback(session, farm.signer, name, caller.name))
+        return status.channel_dict(service.rollback(session, farm.api_signer, name, caller.name))
 
 
 @router.get("/v1/channels/{name}/document", responses={404: {}})
 def document(name: ChannelName, farm: Farm, _: PullCaller) -> dict[str, Any]:
-    """The signed document edges act on: `{document, signature, signing_key_id}`."""
+    """The signed document edges act on: `{document, signature, signing_key_id, certificate}`."""
     with farm.session() as session:
-        return service.document_of(session, name)
+        return service.document_of(session, name, farm.api_signer)
 
 
 @router.post("/v1/channels/{name}/edges", status_code=204, responses={404: {}})
