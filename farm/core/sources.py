@@ -163,12 +163,10 @@ def layout(roles: Mapping[str, object]) -> dict[str, str]:
 
 def safe_relative(name: str) -> str:
     """`name` as a relative path that stays inside its folder, or ModelFileError."""
-    path = PurePosixPath(name)
-    if path.is_absolute() or not path.parts or any(p in ("..", ".", "") for p in path.parts):
+    parts = name.split("/")
+    if any(p in ("..", ".", "") for p in parts) or "\\" in name or "\x00" in name:
         raise ModelFileError(f"{name!r}: not a file path inside a model folder")
-    if "\\" in name or "\x00" in name:
-        raise ModelFileError(f"{name!r}: not a file path inside a model folder")
-    return str(path)
+    return str(PurePosixPath(name))
 
 
 # --- PyTorch files: what they are, without unpickling them ------------------------------------
