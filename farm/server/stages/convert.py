@@ -156,7 +156,32 @@ def _torch(source: sources.Source, args: dict[str, Any]) -> Any:
     for port, entry in zip(model.inputs, examples, strict=False):
         if entry.get("name"):
             port.get_tensor().set_names({entry["name"]})
+    # OpenVINO leaves the inputs of a converted program dynamic; the shapes the program was
+    # exported (or the example inputs were given) with are the model's: a static model is
+    # what an NPU compiles and what a reference run needs. --shape still reshapes it.
+    shapes = [entry["shape"] for entry in examples] or _exported_shapes(program, found)
+    if shapes and len(shapes) == len(model.inputs):
+        try:
+            model.reshape({i: ov.PartialShape(shape) for i, shape in enumerate(shapes)})
+        except Exception as error:
+            raise ConversionError(_failed(source, error)) from error
     return model
+
+
+def _exported_shapes(program: Any, found: str) -> list[list[int]]:
+    """The static shapes of a torch.export program's user inputs ([] when any is symbolic)."""
+    if found != sources.PT2:
+        return []
+    users = set(program.graph_signature.user_inputs)
+    shapes = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in users:
+            value = node.meta.get("val")
+            dims = list(getattr(value, "shape", []))
+            if not all(isinstance(d, int) for d in dims):
+                return []
+            shapes.append(dims)
+    return shapes
 
 
 def _example_tensor(torch: Any, entry: dict[str, Any]) -> Any:
