@@ -30,12 +30,14 @@ from tests.conftest import service_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("torch", "tensorflow", "paddle", "transformers", "optimum.intel")
+HF_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SOURCES = {
     "tflite": ("tflite", "model.tflite", []),
     "paddle": ("paddle", "paddle", []),
     "savedmodel": ("savedmodel", "saved", []),
     "pt2": ("pt2", "model.pt2", []),
     "torchscript": ("torchscript", "script.pt", ["--example-input", "x[1,3,8,8]:f32"]),
+    "huggingface": ("hf", "bert", [f"--shape={name}[1,8]" for name in HF_INPUTS]),
 }
 """Source kind -> (tests.make_sources kind, what it writes, the submit flags it needs)."""
 
@@ -138,6 +140,10 @@ def test_sources_convert_once_compile_and_verify_on_an_edge_install(
         if name in ("pt2", "torchscript"):
             assert stages[0].tool_versions["torch"].startswith("2.13.0")
             assert job.queue.endswith(".with-torch")
+        if name == "huggingface":  # task from config.json: text-classification
+            assert stages[0].args == {"format": "huggingface", "task": "text-classification"}
+            assert stages[0].tool_versions["optimum-intel"]
+            assert job.queue.endswith(".with-optimum")
 
         # The edge: farm[edge] only; it computes the key from the source file offline.
         pulled = edge("pull", str(path), "--device", "CPU", *flags, "--import")
@@ -228,3 +234,21 @@ def test_a_converted_model_for_npu_is_converted_then_stops_at_the_missing_compil
             assert (stage.state, stage.job_id) == ("done", job.id)
     finally:
         farm.sessions.kw["bind"].dispose()
+
+
+def test_a_hugging_face_folder_with_its_own_code_is_refused_unless_the_admin_allows_it(
+    built, tmp_path
+):
+    import shutil
+
+    folder = tmp_path / "custom"
+    shutil.copytree(built["huggingface"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_custom.CustomModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_custom.py").write_text("raise SystemExit('never run')\n")
+    shapes = SOURCES["huggingface"][2]
+    answer = json.loads(embedded(tmp_path, "submit", str(folder), "-d", "CPU", *shapes).stdout)
+    assert answer["job"]["state"] == "failed"
+    assert "custom: this Hugging Face folder has its own code" in answer["job"]["error"]
+    assert "FARM_ALLOW_REMOTE_CODE=true" in answer["job"]["error"]

@@ -750,7 +750,7 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
     """The stage op: load the kind's code as the worker's user, switch user, run it."""
     from farm.server.stages import child
 
-    runner = child.load(request["kind"], request["args"])  # before the switch of user
+    runner = child.load(request["kind"], request)  # before the switch of user
     payload: dict
     if isinstance(runner, dict):  # the kind's frameworks are missing here
         result.write(json.dumps(runner))

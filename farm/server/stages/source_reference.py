@@ -30,7 +30,8 @@ def prepare(fmt: str) -> None:
     if fmt in sources.TORCH_FORMATS:
         from farm.server.stages import convert
 
-        convert.prepare({"format": fmt})  # imports torch and runs it once on a tiny model
+        # Imports torch and runs it once on a tiny model (the child switches user next).
+        convert.prepare({"format": fmt}, switching_user=True)
 
 
 def outputs_from(fmt: str, files: Mapping[str, Path], folder: Path) -> Outputs | None:
