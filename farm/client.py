@@ -284,6 +284,21 @@ class FarmClient:
         path = f"/v1/blobs/{cache_key}/reference"
         return self._download(path, cache_key, dest, None, max_bytes)
 
+    def stage(self, stage_key: str) -> dict | None:
+        """A stage's record (docs §15), or None when the farm has none."""
+        try:
+            return self._call("GET", f"/v1/stages/{stage_key}")
+        except ApiError as error:
+            if error.code == "not_found":
+                return None
+            raise
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> str:
+        """One output file of a done stage to `dest`; its sha256."""
+        dest.unlink(missing_ok=True)
+        path = f"/v1/stages/{stage_key}/files/{role}"
+        return self._download(path, stage_key, dest, None, None)
+
     def _download(
         self,
         path: str,

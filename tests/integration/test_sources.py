@@ -151,6 +151,10 @@ def test_sources_convert_once_compile_and_verify_on_an_edge_install(
         verified = edge("verify", str(path), "--device", "CPU", *flags)
         assert verified["passed"], (name, verified)
         assert verified["max_abs_error"] < 1e-3, (name, verified)
+        if name == "pt2":  # the converted IR itself, for compiling on the device
+            ir = edge("pull", str(path), "--ir", str(tmp_path / "ir"))
+            assert ir["stage_key"] == job.stage_key
+            assert sorted(Path(p).name for p in ir["files"].values()) == ["model.bin", "model.xml"]
 
     # No framework on the edge: the keys above came from farm.core alone.
     names = [name.split(".")[0] for name in FRAMEWORKS]

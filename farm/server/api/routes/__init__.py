@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from farm.server.api.routes import blobs, health, jobs, keys, models, workers
+from farm.server.api.routes import blobs, health, jobs, keys, models, stages, workers
 
 ROUTERS = (
     health.router,
@@ -11,4 +11,5 @@ ROUTERS = (
     blobs.router,
     keys.router,
     workers.router,
+    stages.router,
 )
