@@ -149,8 +149,9 @@ def test_sources_convert_once_compile_and_verify_on_an_edge_install(
         pulled = edge("pull", str(path), "--device", "CPU", *flags, "--import")
         assert pulled["cache_key"] == first["cache_key"], name
         verified = edge("verify", str(path), "--device", "CPU", *flags)
+        # Within the CPU tolerance (docs §14): this CPU infers in bf16 by default.
         assert verified["passed"], (name, verified)
-        assert verified["max_abs_error"] < 1e-3, (name, verified)
+        assert verified["max_abs_error"] <= 0.01, (name, verified)
         if name == "pt2":  # the converted IR itself, for compiling on the device
             ir = edge("pull", str(path), "--ir", str(tmp_path / "ir"))
             assert ir["stage_key"] == job.stage_key
