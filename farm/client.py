@@ -24,6 +24,7 @@ from farm.core.errors import ApiError, IntegrityMismatch, Kind
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
+from farm.core.stages import recipe_json
 
 UPLOAD_CHUNK = 1 << 20
 UPLOAD_ATTEMPTS = 30
@@ -158,10 +159,13 @@ class FarmClient:
         toolchain: dict[str, Any],
         rebuild: bool = False,
         reference_inputs: str | None = None,
+        recipe: list[dict] | None = None,
     ) -> dict:
         body = {"model": model, "model_name": name, "specs": specs, "toolchain": toolchain}
         if reference_inputs:
             body["reference_inputs"] = reference_inputs
+        if recipe:
+            body["recipe"] = recipe
         return self._call("POST", "/v1/submissions", json={**body, "rebuild": rebuild})
 
     def submit_model(
@@ -188,9 +192,10 @@ class FarmClient:
             "openvino": toolchain.openvino,
             "runtime_requirements": toolchain.runtime_requirements,
         }
+        recipe = recipe_json(ref.recipe) or None
         try:
             return self.submit(
-                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha
+                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
             )
         except ApiError as error:
             if error.code != "model_missing":
@@ -201,7 +206,9 @@ class FarmClient:
         with (uploading or _no_progress)(total) as advance:
             for sha, path in files:
                 self.upload(sha, path, advance)
-        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha)
+        return self.submit(
+            dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
+        )
 
     # --- jobs ---------------------------------------------------------------------------------
 
@@ -281,6 +288,21 @@ class FarmClient:
         dest.unlink(missing_ok=True)
         path = f"/v1/blobs/{cache_key}/reference"
         return self._download(path, cache_key, dest, None, max_bytes)
+
+    def stage(self, stage_key: str) -> dict | None:
+        """A stage's record (docs §15), or None when the farm has none."""
+        try:
+            return self._call("GET", f"/v1/stages/{stage_key}")
+        except ApiError as error:
+            if error.code == "not_found":
+                return None
+            raise
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> str:
+        """One output file of a done stage to `dest`; its sha256."""
+        dest.unlink(missing_ok=True)
+        path = f"/v1/stages/{stage_key}/files/{role}"
+        return self._download(path, stage_key, dest, None, None)
 
     def _download(
         self,

@@ -29,11 +29,11 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
-from farm.cli.jobs import specs_from_options
+from farm.cli.jobs import source_options, source_ref, specs_from_options
 from farm.core import keyprefix
 from farm.core.config import get_settings
-from farm.core.digests import digest_cache
-from farm.core.identity import ModelRef, key_for
+from farm.core.errors import IntegrityMismatch, NotFound
+from farm.core.identity import key_for
 from farm.core.spec import SpecError, Target
 
 EXIT_SWITCH_FAILED = EXIT_JOB_FAILED
@@ -49,8 +49,8 @@ def edge_agent(source: Backend | None = None):
 
 def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[str, Path | None]:
     """A cache key (or a unique prefix of one) given as such, or the key this machine computes
-    for MODEL + spec flags; with the model's `.bin` (the weights a weightless blob imports
-    with)."""
+    for MODEL (any source format, with --example-input/--task as submitted) + spec flags; with
+    the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
         return resolve_key(farm, key_or_model), None
     from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
@@ -58,14 +58,17 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     specs = specs_from_options(options)
     if len(specs) != 1:
         raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
-    digests = digest_cache(get_settings().cache_dir).sha256
-    ref = ModelRef.from_path(key_or_model, digests=digests)
-    return key_for(ref.identity, specs[0], host_toolchain(specs[0].target)), ref.files.get("bin")
+    ref, _ = source_ref(
+        Path(key_or_model), options.pop("example_inputs", ()), options.pop("task", None)
+    )
+    key = key_for(ref.identity, specs[0], host_toolchain(specs[0].target), ref.recipe)
+    return key, None if ref.recipe else ref.files.get("bin")
 
 
 @main.command()
 @click.argument("key_or_model")
 @spec_options(device_required=False)
+@source_options
 @click.option(
     "--output",
     "-o",
@@ -91,6 +94,13 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     help="-o writes the plain export_model() bytes (blob: what core.import_model opens), or "
     "OpenVINO's cache entry (header, then those bytes).",
 )
+@click.option(
+    "--ir",
+    "ir_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="MODEL is a source the farm converts: download the converted OpenVINO IR into this "
+    "folder (model.xml, model.bin, each checked against the stage's sha256) instead of a blob.",
+)
 @click.option("--import", "do_import", is_flag=True, help="Import it here and report the time.")
 @click.option(
     "--weights",
@@ -112,10 +122,16 @@ def pull(
     allow_quarantined: bool,
     quiet: bool,
     as_json: bool,
+    ir_dir: Path | None = None,
     **options: Any,
 ) -> None:
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
-    compatibility checked first, download resumed and sha256-verified, kept in the cache."""
+    compatibility checked first, download resumed and sha256-verified, kept in the cache.
+    With --ir DIR and a source MODEL (.pt2, .tflite, a Hugging Face folder, ...): the IR the
+    farm converted it to, for compiling on the device yourself."""
+    if ir_dir is not None:
+        _pull_ir(Path(key_or_model), ir_dir, options, as_json)
+        return
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
     farm = backend()
@@ -162,6 +178,42 @@ def pull(
             say(f"imported in {data['import_seconds'] * 1000:.1f} ms")
 
     emit(data, as_json, human)
+
+
+def _pull_ir(model: Path, ir_dir: Path, options: dict[str, Any], as_json: bool) -> None:
+    """Download the IR a source's last stage made (docs §15), verified by its sha256."""
+    from farm.core.hashing import sha256_file
+    from farm.core.stages import stage_keys
+
+    ref, source = source_ref(model, options.pop("example_inputs", ()), options.pop("task", None))
+    if not ref.recipe:
+        raise SpecError(f"--ir is for sources the farm converts; {model} is {source.format}")
+    key = stage_keys(ref.identity, ref.recipe)[-1]
+    farm = backend()
+    record = farm.stage(key)
+    if record is None or record["state"] != "done":
+        state = record["state"] if record else "unknown to the farm"
+        raise NotFound(
+            f"the farm has no converted IR of {model.name} (stage {key} is {state}): "
+            "submit it first (farm submit)"
+        )
+    ir_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for role, digest in sorted(record["output_files"].items()):
+        dest = ir_dir / f"model.{role}"
+        partial = ir_dir / f".model.{role}.partial"
+        farm.download_stage_file(key, role, partial)
+        actual = sha256_file(partial)
+        if actual != digest:
+            partial.unlink()
+            raise IntegrityMismatch(
+                f"the farm sent model.{role} of stage {key} with sha256 {actual}, not the "
+                f"recorded {digest}: nothing was written"
+            )
+        partial.replace(dest)
+        written[role] = str(dest)
+    data = {"stage_key": key, "files": written, "tool_versions": record["tool_versions"]}
+    emit(data, as_json, lambda: say(f"converted IR of {model.name} (stage {key[:12]}) → {ir_dir}"))
 
 
 def _copy_atomically(source: Path, output: Path) -> None:

@@ -110,6 +110,7 @@ class FarmContext:
             compile_user=settings.compile_user,
             compile_launcher=settings.compile_launcher,
             reference_outputs=settings.reference_outputs,
+            allow_remote_code=settings.allow_remote_code,
         )
 
     @cached_property

@@ -112,6 +112,7 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
         "queues": worker.queues,
         "targets": worker.targets,
         "toolchains": worker.toolchains,
+        "converters": worker.converters,
         "openvino": worker.openvino_version,
         "memory_bytes": worker.memory_bytes,
         "heartbeat_at": worker.heartbeat_at,

@@ -27,6 +27,7 @@ TABLES = {
     "channel_revisions",
     "channel_moves",
     "channel_edges",
+    "stage_outputs",
 }
 
 

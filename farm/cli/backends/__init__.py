@@ -49,6 +49,14 @@ class Backend(Protocol):
 
     def job(self, job_id: int) -> dict[str, Any]: ...
 
+    def stage(self, stage_key: str) -> dict[str, Any] | None:
+        """A stage's record (docs §15), or None."""
+        ...
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        """One output file (xml, bin) of a done stage to `dest`."""
+        ...
+
     def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
         """Newest first, up to `limit`, read a page at a time."""
         ...

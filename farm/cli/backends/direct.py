@@ -105,6 +105,7 @@ class Direct:
                     refuse_uncompilable=not self.farm.settings.served,
                     reference_inputs=inputs_sha,
                     rebuild=rebuild,
+                    recipe=ref.recipe,
                 )
         finally:
             dispatcher.close()
@@ -224,6 +225,23 @@ class Direct:
     ) -> None:
         with self._session() as session:
             blobs.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
+
+    def stage(self, stage_key: str) -> dict[str, Any] | None:
+        from farm.server.stages import catalog
+
+        with self._session() as session:
+            row = catalog.find(session, stage_key)
+            return catalog.stage_view(row) if row is not None else None
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        """Copy one output file of a done stage to `dest` (the caller checks its sha256)."""
+        from farm.server.stages import catalog
+
+        with self._session() as session:
+            files = dict(catalog.require_done(session, stage_key).output_files or {})
+        if role not in files:
+            raise NotFound(f"stage {stage_key} has no output {role!r}")
+        self.farm.store.get_file(model_storage_key(files[role]), dest)
 
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> None:
         """Copy the stored reference file to `dest` (the edge agent checks size and digest)."""

@@ -25,7 +25,7 @@ from typing import NoReturn
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from farm.core import errors
+from farm.core import errors, sources
 from farm.core.clock import now
 from farm.core.errors import (
     BlobTooLarge,
@@ -90,6 +90,8 @@ class RunLimits:
     """How a worker that is not root becomes compile_user (`compile_user.compile_identity`)."""
     reference_outputs: bool = True
     """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
+    allow_remote_code: bool = False
+    """A stage may run a Hugging Face folder's own code (FARM_ALLOW_REMOTE_CODE)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,16 @@ def run_job(
     try:
         with lease:
             outcome = _compile_and_store(
-                job, model_row, store, work_dir, lease, limits, signer, model_cache, clock
+                job,
+                model_row,
+                store,
+                work_dir,
+                lease,
+                limits,
+                signer,
+                model_cache,
+                sessions,
+                clock,
             )
         with sessions() as session:
             with clock.phase("record"):
@@ -193,22 +204,47 @@ def run_job(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache, clock):
+def _compile_and_store(
+    job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions, clock
+):
     """Returns a function that records the outcome in a session (so recording is one place).
-    `clock` times each phase (`phases.PhaseClock`)."""
+
+    `source_row` is what was submitted; with a recipe (docs §15) the stage phase makes (or
+    reuses) the model compiled, `model_row`. `clock` times each phase (`phases.PhaseClock`)."""
     spec = CompileSpec.from_canonical(job.target, job.spec)
     mismatch = _toolchain_mismatch(job, spec.target)
     if mismatch:  # before any byte is fetched or compiled
         return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
-    max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
+    model_row = source_row
     try:
         with clock.phase("fetch"), _work_disk(work_dir):
-            files = _fetch_model(store, model_row, work_dir, model_cache)
             inputs = _fetch_inputs(store, job, work_dir, model_cache)
+            if not job.recipe:
+                files = _fetch_model(store, model_row, work_dir, model_cache)
+        if job.recipe:
+            kinds = "+".join(stage["stage"] for stage in job.recipe)  # "convert+compress"
+            with clock.phase(kinds[:16]), _work_disk(work_dir):
+                prepared = _run_stages(
+                    sessions, store, job, source_row, work_dir, lease, limits, model_cache
+                )
+            files, model_row = prepared.files, prepared.model
+        with _work_disk(work_dir):
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
         corrupt = str(error)
         return lambda session: _finish(session, job, JobState.FAILED, error=corrupt)
+    except CompileCancelled:
+        return lambda session: _finish(
+            session, job, JobState.CANCELLED, error="cancelled while running"
+        )
+    except (CompileTimeout, errors.CompileError, errors.ConverterUnavailable) as error:
+        message = str(error)
+        log_text = f"failed: {message}" + (f"\n--- stage output ---\n{error.output}" if
+                                             getattr(error, "output", "") else "")  # fmt: skip
+        return lambda session: _finish(
+            session, job, JobState.FAILED, error=message, log_text=log_text
+        )
+    max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
     release_free_memory()  # before the compile child's peak, not after it
     try:
         with clock.phase("compile"), _work_disk(work_dir):  # the files staged, the blob moved
@@ -227,7 +263,10 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
         with clock.phase("reference"):
-            reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits)
+            source = _reference_source(store, job, source_row, work_dir, model_cache)
+            reference = _reference(
+                files, spec, job, model_row, work_dir, inputs, lease, limits, source
+            )
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
@@ -253,7 +292,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         session,
         store,
         job,
-        model_row,
+        source_row,
         result,
         stored,
         output,
@@ -262,7 +301,19 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
     )
 
 
-def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> ReferenceFile:
+def _reference_source(store, job, source_row, work_dir, model_cache):
+    """(format, files) of the source a convert stage made the compiled model from, for the
+    reference run to compute its outputs from (docs §15); None without a convert stage."""
+    if not job.recipe or job.recipe[0].get("stage") != "convert":
+        return None
+    with _work_disk(work_dir):
+        files = _fetch_model(store, source_row, work_dir / "reference-source", model_cache)
+    return job.recipe[0]["args"]["format"], files
+
+
+def _reference(
+    files, spec, job, model_row, work_dir, inputs, lease, limits, source=None
+) -> ReferenceFile:
     """The blob's reference outputs, computed in a child after the compile's child has ended
     (their memory peaks never add up); skipped, with the reason kept, when the model is too
     large for the compile memory limit or the run fails (a blob without one is still a blob)."""
@@ -288,8 +339,34 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
             compile_user=limits.compile_user,
             compile_launcher=limits.compile_launcher,
             should_stop=lease.should_stop,
+            source=source,
         )
     return ReferenceFile(path, note)
+
+
+def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model_cache):
+    """The stage phase (farm.server.stages.phase): the model the compile reads."""
+    from farm.server.stages.phase import StageLimits, run_recipe
+
+    stage_limits = StageLimits(
+        lease_seconds=limits.lease_seconds,
+        timeout_seconds=limits.max_run_seconds,
+        memory_bytes=limits.memory_bytes,
+        max_output_bytes=_blob_limit_of(source_row.size_bytes, limits),
+        compile_user=limits.compile_user,
+        compile_launcher=limits.compile_launcher,
+        allow_remote_code=limits.allow_remote_code,
+    )
+    return run_recipe(
+        sessions,
+        store,
+        job,
+        source_row,
+        work_dir,
+        lambda row, folder: _fetch_model(store, row, folder, model_cache),
+        lease.should_stop,
+        stage_limits,
+    )
 
 
 def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
@@ -303,13 +380,15 @@ def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
 def _fetch_model(
     store: BlobStore, model_row: Model, work_dir: Path, model_cache: BlobCache | None
 ) -> dict[str, Path]:
-    """Model files as paths the compiler can read: the store's own files when it is local,
-    else from this host's model cache, fetched into it once."""
-    suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
-    return {
-        role: _fetch_file(store, sha, work_dir / f"model{suffix[role]}", model_cache, role)
-        for role, sha in model_row.files.items()
-    }
+    """Model files as paths the compiler (or a stage) can read, laid out in `work_dir` as
+    `sources.layout` says (``model.xml``, a folder's relative paths): the store's own files
+    when it is local, else from this host's model cache, fetched into it once."""
+    files = {}
+    for role, relative in sources.layout(model_row.files).items():
+        local = work_dir.joinpath(*relative.split("/"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        files[role] = _fetch_file(store, model_row.files[role], local, model_cache, role)
+    return files
 
 
 def _fetch_inputs(

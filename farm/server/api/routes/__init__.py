@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from farm.server.api.routes import blobs, channels, health, jobs, keys, models, workers
+from farm.server.api.routes import blobs, channels, health, jobs, keys, models, stages, workers
 
 ROUTERS = (
     health.router,
@@ -12,4 +12,5 @@ ROUTERS = (
     keys.router,
     workers.router,
     channels.router,
+    stages.router,
 )
