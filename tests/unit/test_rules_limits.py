@@ -212,10 +212,12 @@ def test_a_matrix_that_loses_an_insert_race_runs_again_and_follows_the_winner(
     real_known = service.known_outcome
     passes: list[int] = []
 
-    def stale_once(session, identity, spec, toolchain):
+    def stale_once(session, identity, spec, toolchain, recipe=()):
         if spec == SPECS[0]:
             passes.append(1)
-        return None if len(passes) == 1 else real_known(session, identity, spec, toolchain)
+        if len(passes) == 1:
+            return None
+        return real_known(session, identity, spec, toolchain, recipe)
 
     monkeypatch.setattr(service, "known_outcome", stale_once)
     dispatcher = StubDispatcher()

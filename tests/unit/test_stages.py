@@ -292,10 +292,12 @@ def test_a_job_no_worker_can_convert_names_the_converter_and_the_extra():
     part = {"openvino": "2026.4.1", "runtime_requirements": "rr"}
 
     class QueuedJob:
+        id, sent_at = 7, "sent"
         queue = routing.queue_name("CPU", part, needs=["torch"])
         toolchain, target = part, "CPU"
 
-    note = routing.note_for(QueuedJob, {routing.queue_name("CPU", part)})
+    served = routing._Served({routing.queue_name("CPU", part)}, npu_compiler=False)
+    note = routing.note_for(QueuedJob, served)
     assert note is not None
     assert "no converter torch" in note
     assert "pip install 'farm[convert]'" in note
