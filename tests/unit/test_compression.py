@@ -196,3 +196,54 @@ def test_summaries_for_listings():
     assert compression.describe_compress(compress_args("int4-asym", group_size="channel")) == (
         "int4_asym channel-wise ratio 1"
     )
+
+
+def _flags(**given):
+    from farm.cli.compression import compression_request
+
+    options = {
+        "compress": None,
+        "group_size": None,
+        "ratio": None,
+        "all_layers": False,
+        "quantize": None,
+        "calibration": None,
+        "max_drift": None,
+        "device": "CPU",
+    }
+    options.update(given)
+    request = compression_request(options)
+    assert options == {"device": "CPU"}  # the spec's flags are left for the spec
+    return request
+
+
+def test_the_cli_flags_make_one_stage_or_none(tmp_path):
+    assert _flags().stage is None
+    request = _flags(compress="int4-sym", group_size="channel", max_drift="cosine=0.99")
+    assert request.stage == {"stage": "compress", "args": compress_args("int4-sym", group_size=-1)}
+    assert str(request.max_drift) == "cosine=0.99"
+    for index in range(2):
+        np.save(tmp_path / f"{index}.npy", np.full((1, 3), index, np.float32))
+    quantized = _flags(quantize="int8", calibration=tmp_path)
+    assert quantized.stage is not None
+    assert quantized.stage["args"]["calibration"] == calibration_digest(
+        quantized.calibration_identity
+    )
+    assert sorted(quantized.calibration_identity) == ["0.npy", "1.npy"]
+    with pytest.raises(CompressionArgsError, match="NF4 data type needs NPU 4000"):
+        _flags(compress="nf4").check_targets(["CPU", "3720"])
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"compress": "int8", "quantize": "int8"}, "give one"),
+        ({"ratio": "0.5"}, "go with --compress"),
+        ({"calibration": "x"}, "goes with --quantize"),
+        ({"quantize": "int8"}, "needs --calibration DIR"),
+        ({"max_drift": "0.1"}, "bounds a compressed model"),
+    ],
+)
+def test_cli_flags_that_do_not_go_together_are_refused(given, says):
+    with pytest.raises(CompressionArgsError, match=says):
+        _flags(**given)
