@@ -108,7 +108,6 @@ def compression_request(options: dict[str, Any]) -> CompressionRequest:
                 "--quantize needs --calibration DIR: a folder of .npy/.npz input samples"
             )
         identity = compression.calibration_identity(compression.calibration_files(calibration))
-        digest = compression.calibration_digest(identity)
-        args = compression.quantize_args(quantize, digest)
+        args = compression.quantize_args(quantize, identity)
         return CompressionRequest(compression.QUANTIZE, args, calibration, identity, max_drift)
     return CompressionRequest(None, {}, None, {}, None)

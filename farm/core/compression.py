@@ -88,7 +88,8 @@ CALIBRATION_SUFFIXES = (".npy", ".npz")
 MIN_CALIBRATION_SAMPLES = 10
 """Fewer samples are refused: min/max statistics over a handful of inputs do not describe the
 data (NNCF collects 300 by default)."""
-MAX_CALIBRATION_FILES = 10_000
+MAX_CALIBRATION_FILES = 1000
+"""Files in a calibration folder at most: their digests are in the stage's args."""
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -228,12 +229,13 @@ def _flag(value: Any) -> bool:
 
 
 def quantize_args(
-    precision: str, calibration_digest: str, *, target_device: str = "npu"
+    precision: str, calibration: Mapping[str, str], *, target_device: str = "npu"
 ) -> dict[str, Any]:
-    """The canonical args of a `quantize` stage: `--quantize int8 --calibration DIR`; the
-    folder enters the key by its digest (`calibration_identity` / `calibration_digest`)."""
+    """The canonical args of a `quantize` stage: `--quantize int8 --calibration DIR`. The
+    folder enters the key by its identity (`calibration_identity`: sha256 by relative path),
+    which also tells the worker which stored files to fetch."""
     return canonical_quantize(
-        {"precision": precision, "calibration": calibration_digest, "device": target_device}
+        {"precision": precision, "calibration": dict(calibration), "device": target_device}
     )
 
 
@@ -247,17 +249,36 @@ def canonical_quantize(args: Mapping[str, Any]) -> dict[str, Any]:
             f"--quantize {args.get('precision')!r}: farm quantizes to "
             f"{', '.join(QUANTIZE_PRECISIONS)} (weights and activations, nncf.quantize)"
         )
-    digest = str(args.get("calibration", ""))
-    if not _DIGEST.fullmatch(digest):
+    identity = args.get("calibration")
+    if not isinstance(identity, Mapping) or not identity:
         raise CompressionArgsError(
             "--quantize needs --calibration DIR: a folder of .npy/.npz input samples"
         )
+    if len(identity) > MAX_CALIBRATION_FILES:
+        raise CompressionArgsError(
+            f"quantize: {len(identity)} calibration files, more than {MAX_CALIBRATION_FILES}"
+        )
+    for relative, digest in identity.items():
+        if not (_safe_relative(relative) and _DIGEST.fullmatch(str(digest))):
+            raise CompressionArgsError(
+                f"quantize: calibration entry {relative!r}: {digest!r} is not a relative "
+                ".npy/.npz path and its sha256"
+            )
     device = str(args.get("device", "npu")).lower()
     if device not in QUANTIZE_DEVICES:
         raise CompressionArgsError(
             f"quantize: device {device!r} is not one of {', '.join(QUANTIZE_DEVICES)}"
         )
-    return {"precision": precision, "calibration": digest, "device": device}
+    return {"precision": precision, "calibration": dict(sorted(identity.items())), "device": device}
+
+
+def _safe_relative(relative: Any) -> bool:
+    if not isinstance(relative, str) or relative.startswith("/") or "\\" in relative:
+        return False
+    parts = relative.split("/")
+    return all(part not in ("", ".", "..") for part in parts) and relative.lower().endswith(
+        CALIBRATION_SUFFIXES
+    )
 
 
 def calibration_files(folder: str | Path) -> dict[str, Path]:
@@ -298,7 +319,7 @@ def calibration_identity(files: Mapping[str, Path]) -> dict[str, str]:
 
 
 def calibration_digest(identity: Mapping[str, str]) -> str:
-    """One digest naming a calibration set: the `calibration` argument of a `quantize` stage."""
+    """One digest naming a calibration set, for people and listings."""
     document = {"calibration": dict(sorted(identity.items()))}
     return hashlib.sha256(canonical_json(document)).hexdigest()
 

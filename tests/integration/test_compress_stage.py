@@ -150,7 +150,7 @@ def test_int8_quantization_with_calibration_data_keeps_the_classes(tmp_path):
         calibration_files(calibration), [InputSpec("image", (1, 3, 16, 16), "float32")]
     )
     assert len(samples) == 24
-    args = quantize_args("int8", "cd" * 32)
+    args = quantize_args("int8", {"batch.npy": "cd" * 32})
     result = run_stage(QUANTIZE, args, xml, tmp_path / "out", calibration=samples, seed="q")
     out_xml = tmp_path / "out" / OUTPUT_XML
     ops_out = {op.get_type_name() for op in ov.Core().read_model(out_xml).get_ops()}
@@ -167,4 +167,4 @@ def test_int8_quantization_with_calibration_data_keeps_the_classes(tmp_path):
 def test_quantize_without_samples_is_refused(tmp_path):
     xml = save(cnn_classifier(), tmp_path / "in" / "model.xml")
     with pytest.raises(CompileError, match="no calibration samples"):
-        run_stage(QUANTIZE, quantize_args("int8", "cd" * 32), xml, tmp_path / "out")
+        run_stage(QUANTIZE, quantize_args("int8", {"a.npy": "cd" * 32}), xml, tmp_path / "out")

@@ -32,6 +32,7 @@ from farm.core.errors import (
 )
 
 DIGEST = "ab" * 32
+CALIBRATION = {"b.npy": DIGEST, "a/x.npz": "cd" * 32}
 
 
 def test_each_mode_has_one_canonical_form_with_nncf_defaults_written_out():
@@ -107,24 +108,42 @@ def test_nf4_below_npu_4000_is_refused_naming_why():
     for fine in ("4000", "NPU.5010", "CPU"):
         check_target(COMPRESS, nf4, fine)
     check_target(COMPRESS, compress_args("int4-sym"), "3720")
-    check_target(QUANTIZE, quantize_args("int8", DIGEST), "3720")
+    check_target(QUANTIZE, quantize_args("int8", CALIBRATION), "3720")
 
 
-def test_quantize_args_name_the_calibration_set_by_digest():
-    assert quantize_args("INT8", DIGEST) == {
+def test_quantize_args_name_the_calibration_files_by_digest():
+    args = quantize_args("INT8", CALIBRATION)
+    assert args == {
         "precision": "int8",
-        "calibration": DIGEST,
+        "calibration": {"a/x.npz": "cd" * 32, "b.npy": DIGEST},
         "device": "npu",
     }
-    assert quantize_args("int8", DIGEST, target_device="CPU")["device"] == "cpu"
+    assert list(args["calibration"]) == ["a/x.npz", "b.npy"]  # one order, one key
+    assert quantize_args("int8", CALIBRATION, target_device="CPU")["device"] == "cpu"
     with pytest.raises(CompressionArgsError, match="farm quantizes to int8"):
-        quantize_args("int4", DIGEST)
+        quantize_args("int4", CALIBRATION)
     with pytest.raises(CompressionArgsError, match="needs --calibration DIR"):
-        quantize_args("int8", "")
+        quantize_args("int8", {})
     with pytest.raises(CompressionArgsError, match="not one of any, cpu, gpu, npu"):
-        quantize_args("int8", DIGEST, target_device="tpu")
+        quantize_args("int8", CALIBRATION, target_device="tpu")
     with pytest.raises(CompressionArgsError, match="unknown argument"):
-        canonical_quantize({"precision": "int8", "calibration": DIGEST, "subset": 3})
+        canonical_quantize({"precision": "int8", "calibration": CALIBRATION, "subset": 3})
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"../x.npy": DIGEST},
+        {"/etc/x.npy": DIGEST},
+        {"a//x.npy": DIGEST},
+        {"x.txt": DIGEST},
+        {"x.npy": "nope"},
+        {"a\\x.npy": DIGEST},
+    ],
+)
+def test_calibration_entries_are_relative_array_files_with_digests(entry):
+    with pytest.raises(CompressionArgsError, match=r"is not a relative \.npy/\.npz path"):
+        quantize_args("int8", entry)
 
 
 def test_the_calibration_digest_covers_every_file_and_its_place(tmp_path):
@@ -226,9 +245,7 @@ def test_the_cli_flags_make_one_stage_or_none(tmp_path):
         np.save(tmp_path / f"{index}.npy", np.full((1, 3), index, np.float32))
     quantized = _flags(quantize="int8", calibration=tmp_path)
     assert quantized.stage is not None
-    assert quantized.stage["args"]["calibration"] == calibration_digest(
-        quantized.calibration_identity
-    )
+    assert quantized.stage["args"]["calibration"] == quantized.calibration_identity
     assert sorted(quantized.calibration_identity) == ["0.npy", "1.npy"]
     with pytest.raises(CompressionArgsError, match="NF4 data type needs NPU 4000"):
         _flags(compress="nf4").check_targets(["CPU", "3720"])
