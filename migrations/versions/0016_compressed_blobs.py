@@ -1,6 +1,9 @@
-"""Compression (docs/architecture.md §15, compress and quantize stages): the admin view
-`compressed_blobs`, one row per blob compiled from a compressed or quantized model, with the
-compression's arguments, sizes, drift and NNCF version, and the source model it came from.
+"""Compression (docs/architecture.md §15, compress and quantize stages).
+
+- jobs.max_drift: the submitter's `--max-drift` bound; a job whose compressed model drifts
+  past it fails with the figures and publishes nothing. Not part of any key.
+- view compressed_blobs: one row per blob compiled from a compressed or quantized model, with
+  the compression's arguments, sizes, drift and NNCF version, and the source model.
 
 The figures are read out of `stage_outputs.metrics` (JSON) with each dialect's own operator,
 so the view has the same columns and values on PostgreSQL and SQLite.
@@ -12,6 +15,7 @@ Create Date: 2026-11-24 21:30:00.000000
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from alembic import op
 
 revision = "0016"
@@ -66,8 +70,18 @@ def _sql(dialect: str) -> str:
         """
 
 
+MAX_DRIFT_COMMENT = (
+    "The submitter's --max-drift bound on the compressed model's drift (max-abs=..,cosine=..,"
+    "top1=..); null: none. Checked against the stage's recorded drift, not keyed."
+)
+
+
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
+    # Plain ADD COLUMN (no batch rebuild: views read jobs).
+    op.add_column(
+        "jobs", sa.Column("max_drift", sa.Text(), nullable=True, comment=MAX_DRIFT_COMMENT)
+    )
     op.execute(f"CREATE VIEW {VIEW} AS {_sql(dialect)}")
     if dialect == "postgresql":
         op.execute(f"COMMENT ON VIEW {VIEW} IS '{COMMENT}'")
@@ -75,3 +89,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(f"DROP VIEW {VIEW}")
+    op.drop_column("jobs", "max_drift")

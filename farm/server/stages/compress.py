@@ -10,6 +10,8 @@ read back to be measured. NNCF and OpenVINO are imported here, never in farm/cor
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -32,6 +34,8 @@ from farm.core.reference import InputSpec, seeded_inputs
 
 OUTPUT_XML = "model.xml"
 """The stage output's main IR, relative to its folder (its weights: `model.bin`)."""
+CALIBRATION_ROLE = "calibration/"
+"""Prefix of the roles under which a `quantize` stage's calibration files reach the child."""
 MAX_DRIFT_SAMPLES = 32
 """Inputs the drift is measured on at most: the reference inputs, then calibration samples."""
 _CPU_F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -228,11 +232,14 @@ def _output_name(output: Any, index: int) -> str:
     return min(names) if names else f"output{index}"
 
 
-def _input_specs(model: Any) -> list[InputSpec]:
-    """The model's inputs with dynamic dimensions at 1 (drift inputs must be concrete)."""
+def _input_specs(model: Any, dynamic: int = 1) -> list[InputSpec]:
+    """The model's inputs, dynamic dimensions at `dynamic` (1: drift inputs must be concrete;
+    -1: a calibration sample may have any size there)."""
     specs = []
     for parameter in model.inputs:
-        shape = tuple(d.get_length() if d.is_static else 1 for d in parameter.get_partial_shape())
+        shape = tuple(
+            d.get_length() if d.is_static else dynamic for d in parameter.get_partial_shape()
+        )
         dtype = parameter.get_element_type().to_dtype().name
         specs.append(InputSpec(parameter.get_any_name(), shape, dtype))
     return specs
@@ -259,3 +266,46 @@ def _nncf() -> Any:
         ) from None
     nncf.set_log_level(logging.WARNING)
     return nncf
+
+
+# --- the sandbox child's entry (farm.server.stages.child) ------------------------------------
+
+
+def prepare(args: dict[str, Any]) -> None:
+    """Import OpenVINO and NNCF as the worker's user, before the child switches user;
+    `ConverterUnavailable` names the extra when NNCF is missing."""
+    import openvino  # noqa: F401
+
+    _nncf()
+
+
+def run(request: StageRequest) -> StageOutcome:
+    """Run the stage on the request's IR; `quantize` reads its calibration files, staged
+    beside the model by the stage phase under the roles ``calibration/<relative path>``."""
+    samples: list[dict[str, np.ndarray]] = []
+    if request.kind == QUANTIZE:
+        samples = _calibration_samples(request)
+    seed = json.dumps({"kind": request.kind, "args": request.args}, sort_keys=True)
+    result = run_stage(
+        request.kind,
+        request.args,
+        request.files["xml"],
+        request.out_dir,
+        calibration=samples,
+        seed=hashlib.sha256(seed.encode()).hexdigest(),
+    )
+    return StageOutcome(result.tool_versions, result.metrics)
+
+
+def _calibration_samples(request: StageRequest) -> list[dict[str, np.ndarray]]:
+    import openvino as ov
+
+    from farm.core.calibration import load_samples
+
+    files = {
+        role.removeprefix(CALIBRATION_ROLE): path
+        for role, path in request.files.items()
+        if role.startswith(CALIBRATION_ROLE)
+    }
+    model = ov.Core().read_model(request.files["xml"])
+    return load_samples(files, _input_specs(model, dynamic=-1))
