@@ -23,6 +23,7 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.edge import edge_agent, key_of
+from farm.cli.jobs import source_options
 
 _KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
 """A cache key, or a prefix of one (`farm.core.keyprefix`): then --device is where to run."""
@@ -31,6 +32,7 @@ _KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
 @main.command()
 @click.argument("key_or_model")
 @spec_options(device_required=False)
+@source_options
 @click.option(
     "--runs",
     type=click.IntRange(1, 100_000),
