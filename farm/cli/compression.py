@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,35 @@ class CompressionRequest:
     def stage(self) -> dict[str, Any] | None:
         """The recipe entry (`{"stage", "args"}`), or None when nothing is compressed."""
         return {"stage": self.kind, "args": self.args} if self.kind else None
+
+    def files_to_upload(self) -> dict[str, Path]:
+        """The calibration files by sha256: uploaded like model files, where the worker
+        fetches them (`models/<sha256>`)."""
+        if self.calibration is None:
+            return {}
+        files = compression.calibration_files(self.calibration)
+        return {self.calibration_identity[relative]: path for relative, path in files.items()}
+
+    def check_calibration(self, model_files: Mapping[str, Path]) -> None:
+        """Read the calibration samples against the model's inputs (IR or ONNX, here, before
+        anything is uploaded): too few or of the wrong shape is an error now, not on a worker."""
+        if self.calibration is None:
+            return
+        import openvino as ov  # the submitter has it (it fits the model to the spec)
+
+        from farm.core.calibration import load_samples
+        from farm.core.reference import InputSpec
+
+        model = ov.Core().read_model(model_files.get("xml") or model_files["onnx"])
+        specs = [
+            InputSpec(
+                port.get_any_name(),
+                tuple(d.get_length() if d.is_static else -1 for d in port.get_partial_shape()),
+                port.get_element_type().to_dtype().name,
+            )
+            for port in model.inputs
+        ]
+        load_samples(compression.calibration_files(self.calibration), specs)
 
     def check_targets(self, targets: list[str]) -> None:
         """Refuse before anything is hashed or uploaded what a target cannot run."""

@@ -28,6 +28,7 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
+from farm.cli.compression import compression_request
 from farm.cli.jobs import source_options, source_ref, specs_from_options
 from farm.core import keyprefix
 from farm.core.config import get_settings
@@ -47,14 +48,19 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     for MODEL (any source format, with --example-input/--task as submitted) + spec flags; with
     the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
+        compression_request(options)  # no compression flags without a model to apply them to
         return resolve_key(farm, key_or_model), None
     from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
 
     specs = specs_from_options(options)
     if len(specs) != 1:
         raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
+    compressed = compression_request(options)
     ref, _ = source_ref(
-        Path(key_or_model), options.pop("example_inputs", ()), options.pop("task", None)
+        Path(key_or_model),
+        options.pop("example_inputs", ()),
+        options.pop("task", None),
+        compressed=compressed,
     )
     key = key_for(ref.identity, specs[0], host_toolchain(specs[0].target), ref.recipe)
     return key, None if ref.recipe else ref.files.get("bin")

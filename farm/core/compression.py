@@ -272,6 +272,19 @@ def canonical_quantize(args: Mapping[str, Any]) -> dict[str, Any]:
     return {"precision": precision, "calibration": dict(sorted(identity.items())), "device": device}
 
 
+CALIBRATION_ROLE = "calibration/"
+"""Prefix of the roles under which a `quantize` stage's calibration files reach its child."""
+
+
+def stage_inputs(kind: str, args: Mapping[str, Any]) -> dict[str, str]:
+    """The files a stage reads besides its input model, by role, with their sha256: a
+    `quantize` stage's calibration samples (`calibration/<relative path>`), stored and
+    fetched like model files."""
+    if kind != QUANTIZE:
+        return {}
+    return {CALIBRATION_ROLE + relative: sha for relative, sha in args["calibration"].items()}
+
+
 def _safe_relative(relative: Any) -> bool:
     if not isinstance(relative, str) or relative.startswith("/") or "\\" in relative:
         return False

@@ -8,10 +8,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from farm.server import routing
-from farm.server.db.models import Blob, Job, Model, Verification, Worker
+from farm.server.db.models import Blob, Job, Model, StageOutput, Verification, Worker
 
 
 def model_names(session: Session, jobs: Iterable[Job]) -> dict[int, str]:
@@ -73,6 +73,36 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
         "reference_note": blob.reference_note,
         "quarantined_at": blob.quarantined_at,
         "quarantine_reason": blob.quarantine_reason,
+        "compression": compression_dict(blob),
+    }
+
+
+COMPRESSION_KINDS = ("compress", "quantize")
+
+
+def compression_dict(blob: Blob) -> dict[str, Any] | None:
+    """How the model the blob was compiled from was compressed (docs §15): the stage, its
+    args, the sizes and drift it measured, NNCF's version; None when it was not."""
+    session = object_session(blob)
+    if session is None or blob.job_id is None:
+        return None
+    row = session.scalar(
+        select(StageOutput)
+        .join(Job, Job.stage_key == StageOutput.stage_key)
+        .where(Job.id == blob.job_id, StageOutput.kind.in_(COMPRESSION_KINDS))
+    )
+    if row is None:
+        return None
+    metrics = dict(row.metrics or {})
+    return {
+        "kind": row.kind,
+        "stage_key": row.stage_key,
+        "args": row.args,
+        "metrics": {
+            name: metrics.get(name)
+            for name in ("size_before", "size_after", "ratio", "weights", "resolved", "drift")
+        },
+        "tool_versions": row.tool_versions or {},
     }
 
 

@@ -66,7 +66,9 @@ def test_two_specs_over_one_compressed_model_compress_once(farm_home, chain_xml)
     assert "int8_asym" in human and "max-abs" in human
 
     listing = farm_json(farm_home, "blobs")
-    listed = {b["cache_key"]: b for b in (listing if isinstance(listing, list) else listing["blobs"])}
+    listed = {
+        b["cache_key"]: b for b in (listing if isinstance(listing, list) else listing["blobs"])
+    }
     assert listed[second["cache_key"]]["compression"]["stage_key"] == rows[0][3]
 
     with sqlite3.connect(farm_home / "farm.db") as connection:
@@ -84,13 +86,9 @@ def test_the_edge_computes_the_compressed_blobs_key_offline(farm_home, chain_xml
     submitted = farm_json(
         farm_home, "submit", str(chain_xml), "-d", "CPU", "--compress", "int4-sym"
     )
-    pulled = farm_json(
-        farm_home, "pull", str(chain_xml), "-d", "CPU", "--compress", "int4-sym"
-    )
+    pulled = farm_json(farm_home, "pull", str(chain_xml), "-d", "CPU", "--compress", "int4-sym")
     assert pulled["cache_key"] == submitted["cache_key"]
-    other = farm(
-        farm_home, "pull", str(chain_xml), "-d", "CPU", "--compress", "int8", check=False
-    )
+    other = farm(farm_home, "pull", str(chain_xml), "-d", "CPU", "--compress", "int8", check=False)
     assert other.returncode != 0  # another compression: another key, not compiled
 
 

@@ -19,7 +19,7 @@ from farm.core.compression import (
     compress_args,
     quantize_args,
 )
-from farm.core.errors import CompileError
+from farm.core.errors import ConversionError
 from farm.core.reference import InputSpec
 from farm.server.stages.compress import OUTPUT_XML, run_stage, weight_count
 
@@ -133,7 +133,7 @@ def test_drift_is_measured_on_the_given_reference_inputs(tmp_path):
 
 def test_nncf_refusing_the_arguments_fails_the_stage_with_its_reason(tmp_path):
     xml = save(matmul_chain(layers=2, width=96), tmp_path / "in" / "model.xml")
-    with pytest.raises(CompileError, match="NNCF refused"):
+    with pytest.raises(ConversionError, match="NNCF refused"):
         run_stage(
             COMPRESS, compress_args("int4-sym", group_size=64), xml, tmp_path / "out", seed="k"
         )
@@ -166,5 +166,5 @@ def test_int8_quantization_with_calibration_data_keeps_the_classes(tmp_path):
 
 def test_quantize_without_samples_is_refused(tmp_path):
     xml = save(cnn_classifier(), tmp_path / "in" / "model.xml")
-    with pytest.raises(CompileError, match="no calibration samples"):
+    with pytest.raises(ConversionError, match="no calibration samples"):
         run_stage(QUANTIZE, quantize_args("int8", {"a.npy": "cd" * 32}), xml, tmp_path / "out")

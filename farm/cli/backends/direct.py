@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +73,8 @@ class Direct:
         progress: SubmitProgress,
         rebuild: bool = False,
         reference_inputs: Path | None = None,
+        extra_files: Mapping[str, Path] | None = None,
+        max_drift: str | None = None,
     ) -> dict[str, Any]:
         inputs_sha = None
         if reference_inputs is not None:  # stored like a model file, where the worker reads it
@@ -80,6 +82,9 @@ class Direct:
             self.farm.store.put_file(
                 model_storage_key(inputs_sha), reference_inputs, expected_sha256=inputs_sha
             )
+        for sha, path in (extra_files or {}).items():  # calibration samples, likewise
+            if not self.farm.store.exists(model_storage_key(sha)):
+                self.farm.store.put_file(model_storage_key(sha), path, expected_sha256=sha)
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
@@ -96,6 +101,7 @@ class Direct:
                     refuse_uncompilable=not self.farm.settings.served,
                     reference_inputs=inputs_sha,
                     rebuild=rebuild,
+                    max_drift=max_drift,
                     recipe=ref.recipe,
                 )
         finally:

@@ -119,6 +119,12 @@ class SubmissionRequest(Strict):
         description="Replace the specs' quarantined blobs with new compiles (409 when "
         "a spec's blob is not quarantined).",
     )
+    max_drift: str | None = Field(
+        None,
+        max_length=200,
+        description="With a compress or quantize stage: fail new jobs whose compressed model "
+        "drifts past this bound ('0.05', 'max-abs=0.05,cosine=0.999,top1=0.98'; docs §15).",
+    )
 
 
 class JobOut(BaseModel):
@@ -193,6 +199,9 @@ class BlobOut(BaseModel):
     quarantined_at: datetime | None = None
     """Set: a verification failed (or an admin quarantined it); edges refuse it."""
     quarantine_reason: str | None = None
+    compression: dict[str, Any] | None = None
+    """The compress or quantize stage the model was made by (docs §15): kind, stage_key,
+    args, metrics (size_before, size_after, ratio, drift, ...), tool_versions; null: none."""
 
 
 class PullIn(Strict):

@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from farm.core import hashing, sources
+from farm.core import compression, hashing, sources
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.errors import Forbidden, ModelMissing, NotFound
@@ -58,6 +58,7 @@ def submit(
     submission_id: str | None = None,
     max_attempts: int | None = None,
     reference_inputs: str | None = None,
+    max_drift: str | None = None,
 ) -> Submission:
     """Return the hit, the active job for the same cache key, or a new queued job (committed).
 
@@ -71,7 +72,11 @@ def submit(
     if known is not None:
         return known
     key = key_for(model.identity, spec, toolchain, model.recipe)
-    needed = [*model.identity.values(), *([reference_inputs] if reference_inputs else [])]
+    needed = [
+        *model.identity.values(),
+        *([reference_inputs] if reference_inputs else []),
+        *stage_input_files(model.recipe),
+    ]
     missing = missing_model_files(store, needed)
     if missing:
         raise ModelMissing(missing)
@@ -90,6 +95,7 @@ def submit(
         reference_inputs=reference_inputs,
         recipe=recipe_json(model.recipe) if model.recipe else None,
         stage_key=stage_keys(model.identity, model.recipe)[-1] if model.recipe else None,
+        max_drift=max_drift,
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
@@ -123,6 +129,14 @@ def known_outcome(
     if active is not None:
         return Submission("existing", key, active)
     return None
+
+
+def stage_input_files(recipe: Recipe) -> list[str]:
+    """sha256 of the files a recipe's stages read besides the model (a `quantize` stage's
+    calibration samples), stored like model files: a new job needs them in the store."""
+    return [
+        sha for stage in recipe for sha in compression.stage_inputs(stage.kind, stage.args).values()
+    ]
 
 
 def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:
@@ -168,6 +182,7 @@ def submit_matrix(
     reference_inputs: str | None = None,
     rebuild: bool = False,
     recipe: Recipe = (),
+    max_drift: str | None = None,
 ) -> MatrixSubmission:
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
@@ -225,6 +240,7 @@ def submit_matrix(
                 submission_id=submission_id,
                 max_attempts=settings.max_attempts,
                 reference_inputs=reference_inputs,
+                max_drift=max_drift,
             )
             try:
                 outcome = new()

@@ -23,19 +23,19 @@ from typing import Any
 import numpy as np
 
 from farm.core.compression import (
+    CALIBRATION_ROLE,
     COMPRESS,
     QUANTIZE,
     canonical_compress,
     canonical_quantize,
     resolve_group_size,
 )
-from farm.core.errors import CompileError, NotInstalled
+from farm.core.errors import ConversionError, ConverterUnavailable
 from farm.core.reference import InputSpec, seeded_inputs
+from farm.server.stages.child import StageOutcome, StageRequest
 
 OUTPUT_XML = "model.xml"
 """The stage output's main IR, relative to its folder (its weights: `model.bin`)."""
-CALIBRATION_ROLE = "calibration/"
-"""Prefix of the roles under which a `quantize` stage's calibration files reach the child."""
 MAX_DRIFT_SAMPLES = 32
 """Inputs the drift is measured on at most: the reference inputs, then calibration samples."""
 _CPU_F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -97,7 +97,7 @@ def run_stage(
     elif kind == QUANTIZE:
         canonical = canonical_quantize(args)
         if not calibration:
-            raise CompileError("quantize: no calibration samples reached the stage")
+            raise ConversionError("quantize: no calibration samples reached the stage")
         device = nncf.TargetDevice[canonical["device"].upper()]
         dataset = nncf.Dataset(list(calibration), _as_model_inputs)
         compressed = _nncf_call(
@@ -106,7 +106,7 @@ def run_stage(
         resolved = {"precision": canonical["precision"], "device": device.value}
         resolved["calibration_samples"] = len(calibration)
     else:
-        raise CompileError(f"not a compression stage: {kind!r}")
+        raise ConversionError(f"not a compression stage: {kind!r}")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out_xml = out_dir / OUTPUT_XML
@@ -208,7 +208,7 @@ def _nncf_call(function: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return function(*args, **kwargs)
     except refusals as error:
-        raise CompileError(f"NNCF refused: {error}") from None
+        raise ConversionError(f"NNCF refused: {error}") from None
 
 
 def _outputs(
@@ -261,8 +261,9 @@ def _nncf() -> Any:
     try:
         import nncf
     except ImportError:
-        raise NotInstalled(
-            "compressing a model needs NNCF on the worker: pip install 'farm[compress]'"
+        raise ConverterUnavailable(
+            "this worker cannot compress models: NNCF is not installed; install it with "
+            "pip install 'farm[compress]'"
         ) from None
     nncf.set_log_level(logging.WARNING)
     return nncf
