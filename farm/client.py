@@ -302,6 +302,15 @@ class FarmClient:
         path = f"/v1/blobs/{cache_key}/reference"
         return self._download(path, cache_key, dest, None, max_bytes)
 
+    def stage_output(self, stage_key: str) -> dict:
+        """A finished stage's record: kind, args, output files by role with their sha256."""
+        return self._call("GET", f"/v1/stages/{stage_key}")
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> str:
+        """One file of a stage's output IR to `dest`; its sha256."""
+        dest.unlink(missing_ok=True)
+        return self._download(f"/v1/stages/{stage_key}/files/{role}", stage_key, dest, None, None)
+
     def _download(
         self,
         path: str,

@@ -30,10 +30,13 @@ from farm.cli.common import (
 )
 from farm.cli.compression import compression_request
 from farm.cli.jobs import source_options, source_ref, specs_from_options
-from farm.core import keyprefix
+from farm.core import compression, keyprefix
 from farm.core.config import get_settings
+from farm.core.errors import IntegrityMismatch
+from farm.core.hashing import sha256_file
 from farm.core.identity import key_for
 from farm.core.spec import SpecError, Target
+from farm.core.stages import stage_keys
 
 
 def edge_agent(source: Backend | None = None):
@@ -102,6 +105,13 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     help="The model's .bin, to import a weightless blob pulled by cache key.",
 )
 @click.option("--allow-quarantined", is_flag=True, help="Pull a quarantined blob too.")
+@click.option(
+    "--ir",
+    "ir_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Instead of a blob: download into this folder the IR the farm's stages made from "
+    "MODEL (converted, compressed), as model.xml + model.bin, sha256-checked; no --device.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option
 @handle_errors
@@ -114,12 +124,16 @@ def pull(
     do_import: bool,
     weights: Path | None,
     allow_quarantined: bool,
+    ir_dir: Path | None,
     quiet: bool,
     as_json: bool,
     **options: Any,
 ) -> None:
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
     compatibility checked first, download resumed and sha256-verified, kept in the cache."""
+    if ir_dir is not None:
+        _pull_ir(Path(key_or_model), options, ir_dir, as_json)
+        return
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
     farm = backend()
@@ -164,6 +178,42 @@ def pull(
             say(f"OpenVINO cache entry: {data['cache_entry']} (CACHE_BLOB_ID={key})")
         if do_import:
             say(f"imported in {data['import_seconds'] * 1000:.1f} ms")
+
+    emit(data, as_json, human)
+
+
+def _pull_ir(model: Path, options: dict[str, Any], folder: Path, as_json: bool) -> None:
+    """`farm pull MODEL [--compress ...] --ir DIR`: the last stage's output IR, each file
+    checked against the sha256 the farm recorded for it."""
+    compressed = compression_request(options)
+    ref, _ = source_ref(
+        model, options.pop("example_inputs", ()), options.pop("task", None), compressed=compressed
+    )
+    if not ref.recipe:
+        raise SpecError(
+            f"--ir: {model} runs no stage on the farm (IR and ONNX compile as they are); "
+            "add --compress, or give a source the farm converts"
+        )
+    key = stage_keys(ref.identity, ref.recipe)[-1]
+    farm = backend()
+    record = farm.stage_output(key)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for role in ("xml", "bin"):
+        path = folder / f"model.{role}"
+        farm.download_stage_file(key, role, path)
+        if sha256_file(path) != record["files"][role]:
+            path.unlink()
+            raise IntegrityMismatch(f"{path}: not the file the farm recorded for stage {key}")
+        written[role] = str(path)
+    data = {**record, "ir": written}
+
+    def human() -> None:
+        say(f"stage      {record['kind']} {key} -> {written['xml']}")
+        metrics = record.get("metrics") or {}
+        if record["kind"] in ("compress", "quantize"):
+            size, drift = compression.size_summary(metrics), compression.drift_summary(metrics)
+            say(f"measured   {size}; drift {drift or 'not measured'}")
 
     emit(data, as_json, human)
 

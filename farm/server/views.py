@@ -80,6 +80,23 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
 COMPRESSION_KINDS = ("compress", "quantize")
 
 
+def stage_output_dict(row: StageOutput) -> dict[str, Any]:
+    """A stage output as `farm pull --ir` and GET /v1/stages/{stage_key} show it."""
+    return {
+        "stage_key": row.stage_key,
+        "kind": row.kind,
+        "state": row.state,
+        "args": row.args,
+        "input_stage_key": row.input_stage_key,
+        "files": row.output_files or {},
+        "metrics": row.metrics or {},
+        "tool_versions": row.tool_versions or {},
+        "error": row.error,
+        "created_at": row.created_at,
+        "seconds": row.seconds,
+    }
+
+
 def compression_dict(blob: Blob) -> dict[str, Any] | None:
     """How the model the blob was compiled from was compressed (docs §15): the stage, its
     args, the sizes and drift it measured, NNCF's version; None when it was not."""

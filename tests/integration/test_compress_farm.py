@@ -95,21 +95,11 @@ def test_the_edge_computes_the_compressed_blobs_key_offline(farm_home, chain_xml
 def test_pull_ir_gives_the_compressed_ir(farm_home, chain_xml, tmp_path):
     farm_json(farm_home, "submit", str(chain_xml), "-d", "CPU", "--compress", "int8")
     out = tmp_path / "ir"
-    pulled = farm_json(
-        farm_home,
-        "pull",
-        str(chain_xml),
-        "-d",
-        "CPU",
-        "--compress",
-        "int8",
-        "--ir",
-        "-o",
-        str(out),
-    )
+    pulled = farm_json(farm_home, "pull", str(chain_xml), "--compress", "int8", "--ir", str(out))
     import openvino as ov
 
-    xml = Path(pulled["ir"]["xml"]) if isinstance(pulled.get("ir"), dict) else out / "model.xml"
+    xml = Path(pulled["ir"]["xml"])
+    assert xml == out / "model.xml"
     model = ov.Core().read_model(xml)
     types = {
         op.get_output_element_type(0).get_type_name()
@@ -118,6 +108,13 @@ def test_pull_ir_gives_the_compressed_ir(farm_home, chain_xml, tmp_path):
     }
     assert "u8" in types
     assert xml.with_suffix(".bin").stat().st_size < chain_xml.with_suffix(".bin").stat().st_size
+    assert pulled["kind"] == "compress"
+    assert pulled["tool_versions"]["nncf"]
+    missing = farm(farm_home, "pull", str(chain_xml), "--compress", "nf4", "--ir", str(out),
+                   check=False)  # fmt: skip
+    assert missing.returncode == 3  # not found: nothing compressed that way yet
+    plain = farm(farm_home, "pull", str(chain_xml), "--ir", str(out), check=False)
+    assert plain.returncode == 2 and "runs no stage on the farm" in plain.stderr
 
 
 def test_max_drift_fails_the_job_with_the_figure(farm_home, chain_xml):

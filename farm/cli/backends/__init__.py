@@ -116,6 +116,14 @@ class Backend(Protocol):
         """Delete a quarantined blob (admin)."""
         ...
 
+    def stage_output(self, stage_key: str) -> dict[str, Any]:
+        """A finished stage's record (docs §15); NotFound when there is none."""
+        ...
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        """One file (`xml`, `bin`) of a stage's output IR to `dest`."""
+        ...
+
     def close(self) -> None: ...
 
 

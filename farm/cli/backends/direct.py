@@ -36,6 +36,7 @@ from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
+from farm.server.stages import catalog
 from farm.server.storage import model_storage_key, reference_storage_key
 from farm.server.views import (
     blob_dict,
@@ -43,6 +44,7 @@ from farm.server.views import (
     job_rows,
     job_view,
     log_view,
+    stage_output_dict,
     verification_dict,
     workers_view,
 )
@@ -229,6 +231,17 @@ class Direct:
             if digest is None:
                 raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
         self.farm.store.get_file(reference_storage_key(cache_key, digest), dest)
+
+    def stage_output(self, stage_key: str) -> dict[str, Any]:
+        with self._session() as session:
+            row = catalog.find(session, stage_key)
+            if row is None or row.state != catalog.DONE:
+                raise NotFound(f"no finished stage output {stage_key}")
+            return stage_output_dict(row)
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        sha = self.stage_output(stage_key)["files"][role]
+        self.farm.store.get_file(model_storage_key(sha), dest)
 
     def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
         fields = dict(report)

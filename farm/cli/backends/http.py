@@ -112,5 +112,11 @@ class Http:
     def delete_blob(self, cache_key: str) -> None:
         self.client.delete_blob(cache_key)
 
+    def stage_output(self, stage_key: str) -> dict[str, Any]:
+        return self.client.stage_output(stage_key)
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        self.client.download_stage_file(stage_key, role, dest)
+
     def close(self) -> None:
         self.client.close()

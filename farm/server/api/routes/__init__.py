@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from farm.server.api.routes import blobs, health, jobs, keys, models, workers
+from farm.server.api.routes import blobs, health, jobs, keys, models, stages, workers
 
 ROUTERS = (
     health.router,
     models.router,
     jobs.router,
     blobs.router,
+    stages.router,
     keys.router,
     workers.router,
 )
