@@ -264,3 +264,27 @@ def test_the_cli_flags_make_one_stage_or_none(tmp_path):
 def test_cli_flags_that_do_not_go_together_are_refused(given, says):
     with pytest.raises(CompressionArgsError, match=says):
         _flags(**given)
+
+
+def test_golden_stage_keys_of_compression():
+    """Changing a compression's canonical args changes every compressed model's key in every
+    fleet: these vectors make that a deliberate act."""
+    from farm.core import stages
+
+    identity = {"xml": "a" * 64, "bin": "b" * 64}
+    cases = [
+        ("compress", compress_args("npu-llm"), "1c9a3a060f13057a704d8a3f990f0639"),
+        ("compress", compress_args("int8"), "bb5049e20a49e2c4a4b80874c00e23f5"),
+        (
+            "quantize",
+            quantize_args("int8", {"s/0.npy": "c" * 64}),
+            "6fb767b85286ceabfc1a0a4b0c418ea8",
+        ),
+    ]
+    for kind, args, prefix in cases:
+        key = stages.stage_keys(identity, (stages.Stage.create(kind, args),))[-1]
+        assert key.startswith(prefix), (kind, args, key)
+    # the CLI spellings reach the same stage
+    assert stages.Stage.create("compress", {"mode": "INT4-SYM", "group_size": "128"}) == (
+        stages.Stage.create("compress", compress_args("int4-sym"))
+    )

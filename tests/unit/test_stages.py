@@ -196,8 +196,10 @@ def test_bad_stage_arguments_are_refused(args, message):
 
 
 def test_an_unknown_stage_kind_names_the_known_ones():
-    with pytest.raises(SpecError, match="unknown stage 'quantize'; known stages: convert"):
-        stages.Stage.create("quantize", {})
+    with pytest.raises(
+        SpecError, match="unknown stage 'prune'; known stages: compress, convert, quantize"
+    ):
+        stages.Stage.create("prune", {})
 
 
 def test_stage_keys_chain_and_the_model_part(tmp_path):
