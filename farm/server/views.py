@@ -97,6 +97,19 @@ def stage_output_dict(row: StageOutput) -> dict[str, Any]:
     }
 
 
+def compressions(session: Session, blobs: Sequence[Blob]) -> dict[int, dict[str, Any]]:
+    """`compression_dict` of many blobs in one query (the dashboard's page), by blob id."""
+    job_ids = {blob.job_id: blob.id for blob in blobs if blob.job_id is not None}
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(Job.id, StageOutput)
+        .join(StageOutput, StageOutput.stage_key == Job.stage_key)
+        .where(Job.id.in_(job_ids), StageOutput.kind.in_(COMPRESSION_KINDS))
+    )
+    return {job_ids[job_id]: _compression(row) for job_id, row in rows}
+
+
 def compression_dict(blob: Blob) -> dict[str, Any] | None:
     """How the model the blob was compiled from was compressed (docs §15): the stage, its
     args, the sizes and drift it measured, NNCF's version; None when it was not."""
@@ -108,8 +121,10 @@ def compression_dict(blob: Blob) -> dict[str, Any] | None:
         .join(Job, Job.stage_key == StageOutput.stage_key)
         .where(Job.id == blob.job_id, StageOutput.kind.in_(COMPRESSION_KINDS))
     )
-    if row is None:
-        return None
+    return None if row is None else _compression(row)
+
+
+def _compression(row: StageOutput) -> dict[str, Any]:
     metrics = dict(row.metrics or {})
     return {
         "kind": row.kind,

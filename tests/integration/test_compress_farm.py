@@ -35,6 +35,20 @@ def stage_rows(farm_home: Path) -> list[tuple]:
         ).fetchall()
 
 
+def _dashboard_blobs(farm_home: Path) -> str:
+    """The dashboard's blob table as the page renders it, from this farm's rows."""
+    from farm.core.config import Settings
+    from farm.server.api.dashboard_html import blobs_table
+    from farm.server.blobs import service
+    from farm.server.context import FarmContext
+    from farm.server.views import compressions
+
+    farm = FarmContext.open(Settings(home=farm_home))
+    with farm.session() as session:
+        blobs = service.list_blobs(session, None, 10)
+        return blobs_table(blobs, {}, compressions(session, blobs))
+
+
 def test_two_specs_over_one_compressed_model_compress_once(farm_home, chain_xml):
     first = farm_json(farm_home, "submit", str(chain_xml), "-d", "CPU", "--compress", "int8")
     second = farm_json(
@@ -70,6 +84,9 @@ def test_two_specs_over_one_compressed_model_compress_once(farm_home, chain_xml)
         b["cache_key"]: b for b in (listing if isinstance(listing, list) else listing["blobs"])
     }
     assert listed[second["cache_key"]]["compression"]["stage_key"] == rows[0][3]
+
+    dashboard = _dashboard_blobs(farm_home)
+    assert dashboard.count("int8_asym 0.25") == 2 and "drift max-abs" in dashboard
 
     with sqlite3.connect(farm_home / "farm.db") as connection:
         view = connection.execute(

@@ -33,7 +33,7 @@ from farm.server.blobs import service as blob_service
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
 from farm.server.tokens import Caller, TokenExpired, authenticate
-from farm.server.views import model_names
+from farm.server.views import compressions, model_names
 
 COOKIE = "farm_dashboard"
 COOKIE_SECONDS = 8 * 3600
@@ -151,7 +151,7 @@ def dashboard(
             workers == "all",
             {**_summary(request), "live_workers": len(live)},
             html.jobs_table(jobs, model_names(session, jobs)),
-            html.blobs_table(blobs, pulls),
+            html.blobs_table(blobs, pulls, compressions(session, blobs)),
             html.workers_table(shown, live),
         )
     return _page(body)
