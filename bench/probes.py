@@ -305,6 +305,49 @@ def farm_verify(key: str, runs: int) -> dict:
     return {**measured.as_dict(), "latency_p50_ms": result.report()["latency_p50_ms"]}
 
 
+def build_pt2(path: str, megabytes: int) -> dict:
+    """A torch.export program of a Linear chain with about `megabytes` of FP32 weights."""
+    import torch
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, megabytes * 2**20 // (width * width * 4))
+    module = torch.nn.Sequential(
+        *(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+            for _ in range(layers)
+        )
+    ).eval()
+    torch.export.save(torch.export.export(module, (torch.rand(1, width),)), path)
+    return {"path": path, "layers": layers}
+
+
+def direct_convert_compile(pt2: str, out_dir: str) -> dict:
+    """The direct way, in one process: torch.export.load, ov.convert_model, save the IR (as a
+    farm stage does), then compile it for CPU writing the blob (`compile_to_file`). Timed from
+    before torch and OpenVINO are imported; peak RSS of the conversion alone too."""
+    started = time.perf_counter()
+    import openvino as ov
+    import torch
+
+    from farm.core.spec import CompileSpec
+    from farm.server.jobs.compiler import compile_to_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with Measured() as conversion:
+        model = ov.convert_model(torch.export.load(pt2))
+        ov.save_model(model, out / "model.xml", compress_to_fp16=False)
+        del model
+    files = {"xml": out / "model.xml", "bin": out / "model.bin"}
+    compile_to_file(files, CompileSpec.create("CPU"), out, "direct")
+    return {
+        "seconds": time.perf_counter() - started,
+        "conversion_seconds": conversion.seconds,
+        "conversion_peak_rss_bytes": conversion.peak_rss,
+    }
+
+
 def main() -> int:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

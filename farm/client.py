@@ -193,7 +193,7 @@ class FarmClient:
             "runtime_requirements": toolchain.runtime_requirements,
         }
         recipe = recipe_json(ref.recipe) or None
-        if extra_files:  # a stage's own inputs (calibration samples): the farm cannot ask
+        if extra_files:  # a stage's own inputs (calibration samples): uploaded up front
             wanted = set(self.missing(sorted(extra_files)))
             for sha, path in extra_files.items():
                 if sha in wanted:
@@ -302,14 +302,20 @@ class FarmClient:
         path = f"/v1/blobs/{cache_key}/reference"
         return self._download(path, cache_key, dest, None, max_bytes)
 
-    def stage_output(self, stage_key: str) -> dict:
-        """A finished stage's record: kind, args, output files by role with their sha256."""
-        return self._call("GET", f"/v1/stages/{stage_key}")
+    def stage(self, stage_key: str) -> dict | None:
+        """A stage's record (docs §15), or None when the farm has none."""
+        try:
+            return self._call("GET", f"/v1/stages/{stage_key}")
+        except ApiError as error:
+            if error.code == "not_found":
+                return None
+            raise
 
     def download_stage_file(self, stage_key: str, role: str, dest: Path) -> str:
-        """One file of a stage's output IR to `dest`; its sha256."""
+        """One output file of a done stage to `dest`; its sha256."""
         dest.unlink(missing_ok=True)
-        return self._download(f"/v1/stages/{stage_key}/files/{role}", stage_key, dest, None, None)
+        path = f"/v1/stages/{stage_key}/files/{role}"
+        return self._download(path, stage_key, dest, None, None)
 
     def _download(
         self,

@@ -32,11 +32,9 @@ from farm.cli.compression import compression_request
 from farm.cli.jobs import source_options, source_ref, specs_from_options
 from farm.core import compression, keyprefix
 from farm.core.config import get_settings
-from farm.core.errors import IntegrityMismatch
-from farm.core.hashing import sha256_file
+from farm.core.errors import IntegrityMismatch, NotFound
 from farm.core.identity import key_for
 from farm.core.spec import SpecError, Target
-from farm.core.stages import stage_keys
 
 
 def edge_agent(source: Backend | None = None):
@@ -98,6 +96,14 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     help="-o writes the plain export_model() bytes (blob: what core.import_model opens), or "
     "OpenVINO's cache entry (header, then those bytes).",
 )
+@click.option(
+    "--ir",
+    "ir_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="MODEL is a source the farm converts (or --compress/--quantize): download the IR its "
+    "last stage made into this folder (model.xml, model.bin, each checked against the stage's "
+    "sha256) instead of a blob.",
+)
 @click.option("--import", "do_import", is_flag=True, help="Import it here and report the time.")
 @click.option(
     "--weights",
@@ -105,13 +111,6 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     help="The model's .bin, to import a weightless blob pulled by cache key.",
 )
 @click.option("--allow-quarantined", is_flag=True, help="Pull a quarantined blob too.")
-@click.option(
-    "--ir",
-    "ir_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Instead of a blob: download into this folder the IR the farm's stages made from "
-    "MODEL (converted, compressed), as model.xml + model.bin, sha256-checked; no --device.",
-)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option
 @handle_errors
@@ -124,15 +123,17 @@ def pull(
     do_import: bool,
     weights: Path | None,
     allow_quarantined: bool,
-    ir_dir: Path | None,
     quiet: bool,
     as_json: bool,
+    ir_dir: Path | None = None,
     **options: Any,
 ) -> None:
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
-    compatibility checked first, download resumed and sha256-verified, kept in the cache."""
+    compatibility checked first, download resumed and sha256-verified, kept in the cache.
+    With --ir DIR and a source MODEL (.pt2, .tflite, a Hugging Face folder, ...): the IR the
+    farm converted it to, for compiling on the device yourself."""
     if ir_dir is not None:
-        _pull_ir(Path(key_or_model), options, ir_dir, as_json)
+        _pull_ir(Path(key_or_model), ir_dir, options, as_json)
         return
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
@@ -182,36 +183,56 @@ def pull(
     emit(data, as_json, human)
 
 
-def _pull_ir(model: Path, options: dict[str, Any], folder: Path, as_json: bool) -> None:
-    """`farm pull MODEL [--compress ...] --ir DIR`: the last stage's output IR, each file
-    checked against the sha256 the farm recorded for it."""
+def _pull_ir(model: Path, ir_dir: Path, options: dict[str, Any], as_json: bool) -> None:
+    """Download the IR a source's last stage made (docs §15), verified by its sha256."""
+    from farm.core.hashing import sha256_file
+    from farm.core.stages import stage_keys
+
     compressed = compression_request(options)
-    ref, _ = source_ref(
+    ref, source = source_ref(
         model, options.pop("example_inputs", ()), options.pop("task", None), compressed=compressed
     )
     if not ref.recipe:
         raise SpecError(
-            f"--ir: {model} runs no stage on the farm (IR and ONNX compile as they are); "
-            "add --compress, or give a source the farm converts"
+            f"--ir is for sources the farm converts or compresses (--compress); {model} is "
+            f"{source.format}"
         )
     key = stage_keys(ref.identity, ref.recipe)[-1]
     farm = backend()
-    record = farm.stage_output(key)
-    folder.mkdir(parents=True, exist_ok=True)
+    record = farm.stage(key)
+    if record is None or record["state"] != "done":
+        state = record["state"] if record else "unknown to the farm"
+        raise NotFound(
+            f"the farm has no converted IR of {model.name} (stage {key} is {state}): "
+            "submit it first (farm submit)"
+        )
+    ir_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for role in ("xml", "bin"):
-        path = folder / f"model.{role}"
-        farm.download_stage_file(key, role, path)
-        if sha256_file(path) != record["files"][role]:
-            path.unlink()
-            raise IntegrityMismatch(f"{path}: not the file the farm recorded for stage {key}")
-        written[role] = str(path)
-    data = {**record, "ir": written}
+    for role, digest in sorted(record["output_files"].items()):
+        dest = ir_dir / f"model.{role}"
+        partial = ir_dir / f".model.{role}.partial"
+        farm.download_stage_file(key, role, partial)
+        actual = sha256_file(partial)
+        if actual != digest:
+            partial.unlink()
+            raise IntegrityMismatch(
+                f"the farm sent model.{role} of stage {key} with sha256 {actual}, not the "
+                f"recorded {digest}: nothing was written"
+            )
+        partial.replace(dest)
+        written[role] = str(dest)
+    data = {
+        "stage_key": key,
+        "kind": record["kind"],
+        "files": written,
+        "tool_versions": record["tool_versions"],
+        "metrics": record.get("metrics") or {},
+    }
 
     def human() -> None:
-        say(f"stage      {record['kind']} {key} -> {written['xml']}")
-        metrics = record.get("metrics") or {}
+        say(f"{record['kind']} IR of {model.name} (stage {key[:12]}) → {ir_dir}")
         if record["kind"] in ("compress", "quantize"):
+            metrics = data["metrics"]
             size, drift = compression.size_summary(metrics), compression.drift_summary(metrics)
             say(f"measured   {size}; drift {drift or 'not measured'}")
 

@@ -47,7 +47,7 @@ from farm.core.digests import digest_cache
 from farm.core.errors import CompilerUnavailable, NotFound, WaitTimeout
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, SpecError, Toolchain
-from farm.core.text import printable, toolchains_text
+from farm.core.text import converters_text, printable, toolchains_text
 from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
 
 WAIT_POLL_SECONDS = 0.5
@@ -473,12 +473,15 @@ def workers(show_all: bool, as_json: bool) -> None:
     rows = [w for w in backend().workers() if show_all or w["live"]]
 
     def human() -> None:
-        table = Table("worker", "live", "toolchains", "memory", "OpenVINO", "last seen")
+        table = Table(
+            "worker", "live", "toolchains", "converters", "memory", "OpenVINO", "last seen"
+        )
         for row in rows:
             table.add_row(
                 cell(row["name"]),
                 "yes" if row["live"] else "no",
                 cell(toolchains_text(row.get("toolchains"))),
+                cell(converters_text(row.get("converters"))),
                 size_text(row["memory_bytes"]),
                 cell(row["openvino"].split("-")[0]),
                 cell(str(row["heartbeat_at"])[:19]),

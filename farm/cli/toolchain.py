@@ -11,6 +11,7 @@ import click
 from farm.cli import main
 from farm.cli.common import emit, handle_errors, json_option, out
 from farm.core.spec import Target
+from farm.core.text import converters_text
 
 
 @main.group(invoke_without_command=True)
@@ -26,10 +27,12 @@ from farm.core.spec import Target
 @handle_errors
 def toolchain(ctx: click.Context, devices: tuple[str, ...], as_json: bool) -> None:
     """This host's toolchain for a target: OpenVINO release and build, the CPU runtime
-    requirements, the NPU compiler version when one is installed."""
+    requirements, the NPU compiler version when one is installed, and the converters it
+    runs stages with (torch, optimum: `farm[convert]`)."""
     if ctx.invoked_subcommand is not None:
         return
     from farm import toolchain as host  # OpenVINO: only when a toolchain is asked for
+    from farm.converters import probe as converters
 
     targets = [Target.parse(device) for device in devices or ("CPU",)]
     npu = host.npu_compiler_versions() if any(t.is_npu for t in targets) else {}
@@ -41,6 +44,7 @@ def toolchain(ctx: click.Context, devices: tuple[str, ...], as_json: bool) -> No
             described["npu_compiler"] = result[3:] if result.startswith("ok ") else None
             if not result.startswith("ok "):
                 described["npu_compiler_missing"] = result
+        described["converters"] = converters()
         rows.append(described)
 
     def human() -> None:
@@ -51,6 +55,7 @@ def toolchain(ctx: click.Context, devices: tuple[str, ...], as_json: bool) -> No
             if row["target"].startswith("NPU"):
                 compiler = row["npu_compiler"] or f"none ({row['npu_compiler_missing']})"
                 out.print(f"          NPU compiler {compiler}", markup=False)
+            out.print(f"          converters {converters_text(row['converters'])}", markup=False)
 
     emit(rows[0] if len(rows) == 1 else rows, as_json, human)
 

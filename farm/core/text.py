@@ -125,3 +125,13 @@ def toolchains_text(toolchains: Mapping[str, Mapping[str, str]] | None) -> str:
         f"{target}: {part.get('runtime_requirements') or part.get('openvino')}"
         for target, part in sorted(toolchains.items())
     )
+
+
+def converters_text(converters: Mapping[str, Mapping[str, str]] | None) -> str:
+    """``torch (torch 2.13.0), optimum (...)`` or ``none (pip install 'farm[convert]')``."""
+    if not converters:
+        return "none (pip install 'farm[convert]')"
+    return ", ".join(
+        f"{name} ({', '.join(f'{d} {v}' for d, v in sorted(versions.items()))})"
+        for name, versions in sorted(converters.items())
+    )

@@ -80,23 +80,6 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
 COMPRESSION_KINDS = ("compress", "quantize")
 
 
-def stage_output_dict(row: StageOutput) -> dict[str, Any]:
-    """A stage output as `farm pull --ir` and GET /v1/stages/{stage_key} show it."""
-    return {
-        "stage_key": row.stage_key,
-        "kind": row.kind,
-        "state": row.state,
-        "args": row.args,
-        "input_stage_key": row.input_stage_key,
-        "files": row.output_files or {},
-        "metrics": row.metrics or {},
-        "tool_versions": row.tool_versions or {},
-        "error": row.error,
-        "created_at": row.created_at,
-        "seconds": row.seconds,
-    }
-
-
 def compressions(session: Session, blobs: Sequence[Blob]) -> dict[int, dict[str, Any]]:
     """`compression_dict` of many blobs in one query (the dashboard's page), by blob id."""
     job_ids = {blob.job_id: blob.id for blob in blobs if blob.job_id is not None}
@@ -173,6 +156,7 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
         "queues": worker.queues,
         "targets": worker.targets,
         "toolchains": worker.toolchains,
+        "converters": worker.converters,
         "openvino": worker.openvino_version,
         "memory_bytes": worker.memory_bytes,
         "heartbeat_at": worker.heartbeat_at,

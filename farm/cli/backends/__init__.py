@@ -53,6 +53,14 @@ class Backend(Protocol):
 
     def job(self, job_id: int) -> dict[str, Any]: ...
 
+    def stage(self, stage_key: str) -> dict[str, Any] | None:
+        """A stage's record (docs §15), or None."""
+        ...
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        """One output file (xml, bin) of a done stage to `dest`."""
+        ...
+
     def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
         """Newest first, up to `limit`, read a page at a time."""
         ...
@@ -114,14 +122,6 @@ class Backend(Protocol):
 
     def delete_blob(self, cache_key: str) -> None:
         """Delete a quarantined blob (admin)."""
-        ...
-
-    def stage_output(self, stage_key: str) -> dict[str, Any]:
-        """A finished stage's record (docs §15); NotFound when there is none."""
-        ...
-
-    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
-        """One file (`xml`, `bin`) of a stage's output IR to `dest`."""
         ...
 
     def close(self) -> None: ...

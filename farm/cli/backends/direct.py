@@ -36,7 +36,6 @@ from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
-from farm.server.stages import catalog
 from farm.server.storage import model_storage_key, reference_storage_key
 from farm.server.views import (
     blob_dict,
@@ -44,7 +43,6 @@ from farm.server.views import (
     job_rows,
     job_view,
     log_view,
-    stage_output_dict,
     verification_dict,
     workers_view,
 )
@@ -223,6 +221,23 @@ class Direct:
         with self._session() as session:
             blobs.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
 
+    def stage(self, stage_key: str) -> dict[str, Any] | None:
+        from farm.server.stages import catalog
+
+        with self._session() as session:
+            row = catalog.find(session, stage_key)
+            return catalog.stage_view(row) if row is not None else None
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        """Copy one output file of a done stage to `dest` (the caller checks its sha256)."""
+        from farm.server.stages import catalog
+
+        with self._session() as session:
+            files = dict(catalog.require_done(session, stage_key).output_files or {})
+        if role not in files:
+            raise NotFound(f"stage {stage_key} has no output {role!r}")
+        self.farm.store.get_file(model_storage_key(files[role]), dest)
+
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> None:
         """Copy the stored reference file to `dest` (the edge agent checks size and digest)."""
         with self._session() as session:
@@ -231,17 +246,6 @@ class Direct:
             if digest is None:
                 raise NotFound(f"blob {cache_key} has no reference outputs: {blob.reference_note}")
         self.farm.store.get_file(reference_storage_key(cache_key, digest), dest)
-
-    def stage_output(self, stage_key: str) -> dict[str, Any]:
-        with self._session() as session:
-            row = catalog.find(session, stage_key)
-            if row is None or row.state != catalog.DONE:
-                raise NotFound(f"no finished stage output {stage_key}")
-            return stage_output_dict(row)
-
-    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
-        sha = self.stage_output(stage_key)["files"][role]
-        self.farm.store.get_file(model_storage_key(sha), dest)
 
     def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
         fields = dict(report)

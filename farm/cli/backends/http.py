@@ -97,6 +97,12 @@ class Http:
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str | None:
         return self.client.download_reference(cache_key, dest, max_bytes)
 
+    def stage(self, stage_key: str) -> dict[str, Any] | None:
+        return self.client.stage(stage_key)
+
+    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
+        self.client.download_stage_file(stage_key, role, dest)
+
     def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
         return self.client.report_verification(cache_key, report)
 
@@ -111,12 +117,6 @@ class Http:
 
     def delete_blob(self, cache_key: str) -> None:
         self.client.delete_blob(cache_key)
-
-    def stage_output(self, stage_key: str) -> dict[str, Any]:
-        return self.client.stage_output(stage_key)
-
-    def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
-        self.client.download_stage_file(stage_key, role, dest)
 
     def close(self) -> None:
         self.client.close()

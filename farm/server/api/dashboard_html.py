@@ -7,7 +7,7 @@ from html import escape
 from typing import Any
 
 from farm.core import compression
-from farm.core.text import size_text, toolchains_text
+from farm.core.text import converters_text, size_text, toolchains_text
 from farm.core.vocabulary import JOB_STATES
 
 SECURITY_HEADERS = {
@@ -166,6 +166,7 @@ def workers_table(workers: Iterable, live: set[str]) -> str:
             _td(w.name),
             _td("live" if w.name in live else ("stopped" if w.stopped_at else "silent")),
             _td(toolchains_text(w.toolchains)),
+            _td(converters_text(w.converters)),
             _td(", ".join(w.queues)),
             _td(_size(w.memory_bytes), num=True),
             _td(w.openvino_version.split("-")[0]),
@@ -173,7 +174,16 @@ def workers_table(workers: Iterable, live: set[str]) -> str:
         ]
         for w in workers
     )
-    headers = ("worker", "status", "toolchains", "queues", "memory", "OpenVINO", "last heartbeat")
+    headers = (
+        "worker",
+        "status",
+        "toolchains",
+        "converters",
+        "queues",
+        "memory",
+        "OpenVINO",
+        "last heartbeat",
+    )
     return _table(headers, rows, "no live workers")
 
 

@@ -270,6 +270,9 @@ class WorkerOut(BaseModel):
     toolchains: dict[str, Any] | None = Field(
         None, description="Target → the toolchain it compiles with (what its queues serve)."
     )
+    converters: dict[str, Any] | None = Field(
+        None, description="Converter → its versions: the stages it runs (docs §15)."
+    )
     openvino: str
     memory_bytes: int
     heartbeat_at: datetime

@@ -19,6 +19,7 @@ from farm.core.clock import now
 from farm.core.errors import Conflict
 from farm.core.identity import key_for
 from farm.core.spec import CompileSpec, Toolchain
+from farm.core.stages import Recipe
 from farm.server.blobs.service import require, resolve
 from farm.server.db.models import Blob, BlobDeletion, Pull, Verification
 from farm.server.db.session import rows_changed
@@ -31,13 +32,14 @@ def retire_quarantined(
     identity: Mapping[str, str],
     specs: Sequence[CompileSpec],
     toolchain: Toolchain,
+    recipe: Recipe = (),
 ) -> list[str]:
     """Retire the quarantined blobs of these specs so that a submit compiles them again; the
     cache keys retired. A spec whose blob is not quarantined refuses the whole rebuild before
     anything is deleted (Conflict); a spec without a blob needs nothing."""
     blobs = []
     for spec in specs:
-        blob = resolve(session, key_for(identity, spec, toolchain))
+        blob = resolve(session, key_for(identity, spec, toolchain, recipe))
         if blob is None:
             continue
         if blob.quarantined_at is None:

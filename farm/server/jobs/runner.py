@@ -230,7 +230,8 @@ def _compile_and_store(
             )
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
-        reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits)
+        source = _reference_source(store, job, source_row, work_dir, model_cache)
+        reference = _reference(files, spec, job, model_row, work_dir, inputs, lease, limits, source)
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
@@ -264,7 +265,19 @@ def _compile_and_store(
     )
 
 
-def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> ReferenceFile:
+def _reference_source(store, job, source_row, work_dir, model_cache):
+    """(format, files) of the source a convert stage made the compiled model from, for the
+    reference run to compute its outputs from (docs §15); None without a convert stage."""
+    if not job.recipe or job.recipe[0].get("stage") != "convert":
+        return None
+    with _work_disk(work_dir):
+        files = _fetch_model(store, source_row, work_dir / "reference-source", model_cache)
+    return job.recipe[0]["args"]["format"], files
+
+
+def _reference(
+    files, spec, job, model_row, work_dir, inputs, lease, limits, source=None
+) -> ReferenceFile:
     """The blob's reference outputs, computed in a child after the compile's child has ended
     (their memory peaks never add up); skipped, with the reason kept, when the model is too
     large for the compile memory limit or the run fails (a blob without one is still a blob)."""
@@ -289,6 +302,7 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
             max_reference_bytes=blob_size_limit(model_row.size_bytes, limits.max_blob_bytes),
             compile_user=limits.compile_user,
             should_stop=lease.should_stop,
+            source=source,
         )
     return ReferenceFile(path, note)
 

@@ -55,10 +55,13 @@ from pathlib import Path
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
+from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.server.processes import die_with_parent as _die_with_parent
 
 POLL_SECONDS = 0.5
+SOURCE_PREFIX = "source:"
+"""Roles of a reference run's source files (beside the converted model's own roles)."""
 CPU = Target.parse("CPU")
 """Where reference outputs are computed, whatever the blob's target."""
 LOG_TAIL_BYTES = 64 * 1024
@@ -175,14 +178,25 @@ def reference_in_child(
     max_reference_bytes: int | None = None,
     compile_user: str | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    source: tuple[str, Mapping[str, Path]] | None = None,
 ) -> tuple[Path | None, str | None]:
     """Compute the reference outputs of `spec`'s blob in a child process with the compile's
     limits (time, memory, user, environment): ``(out_dir/<cache_key>.npz, None)``, or
     ``(None, why not)``. It never fails the job: a blob without a reference is still a blob.
     `should_stop` True kills the child (CompileCancelled), as for the compile.
-    `max_reference_bytes` caps what the child writes (RLIMIT_FSIZE), as the blob limit does."""
+    `max_reference_bytes` caps what the child writes (RLIMIT_FSIZE), as the blob limit does.
+    `source`: (format, files by role) of the source a convert stage made `files` from: the
+    outputs are then computed from the source itself (`farm.server.stages.source_reference`),
+    so the reference proves conversion and compile together (docs §15)."""
+    staged = dict(files)
+    names: dict[str, str] = {}
+    if source is not None:
+        for role, relative in layout(source[1]).items():
+            staged[f"{SOURCE_PREFIX}{role}"] = source[1][role]
+            names[f"{SOURCE_PREFIX}{role}"] = f"source/{relative}"
+        names.update({role: f"model.{role}" for role in files})
     with _child_in_box(
-        files,
+        staged,
         out_dir,
         f"{cache_key}.reference",
         compile_identity(compile_user),
@@ -193,10 +207,12 @@ def reference_in_child(
             "blob_id": cache_key,
             "memory_bytes": memory_bytes,
             "max_blob_bytes": max_reference_bytes,
+            "source_format": source[0] if source else None,
         },
         timeout_seconds,
         should_stop,
         {"inputs": inputs_path},
+        names=names or None,
     ) as run:
         if run.timed_out:
             return None, f"no reference outputs: the CPU run took over {timeout_seconds:.0f} s"
@@ -706,6 +722,10 @@ def _child_main(request_path: str, result_path: str) -> int:
     _load_openvino(CPU if reference else spec.target, set(files))
     if reference:
         _load_reference_code()
+        if request.get("source_format"):
+            from farm.server.stages import source_reference
+
+            source_reference.prepare(request["source_format"])
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
@@ -730,7 +750,7 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
     """The stage op: load the kind's code as the worker's user, switch user, run it."""
     from farm.server.stages import child
 
-    runner = child.load(request["kind"], request["args"])  # before the switch of user
+    runner = child.load(request["kind"], request)  # before the switch of user
     payload: dict
     if isinstance(runner, dict):  # the kind's frameworks are missing here
         result.write(json.dumps(runner))
@@ -777,8 +797,21 @@ def _reference(files, spec: CompileSpec, request: dict) -> dict:
 
     out = Path(request["out_dir"]) / f"{request['blob_id']}.npz"
     inputs = Path(request["inputs"]) if request.get("inputs") else None
+    source_files = {
+        role.removeprefix(SOURCE_PREFIX): path
+        for role, path in files.items()
+        if role.startswith(SOURCE_PREFIX)
+    }
+    model_files = {r: p for r, p in files.items() if not r.startswith(SOURCE_PREFIX)}
+    outputs_from = None
+    if request.get("source_format"):
+        from farm.server.stages import source_reference
+
+        outputs_from = source_reference.outputs_from(
+            request["source_format"], source_files, Path(request["out_dir"]) / "source"
+        )
     try:
-        compute_reference(files, spec, request["blob_id"], out, inputs)
+        compute_reference(model_files, spec, request["blob_id"], out, inputs, outputs_from)
     except ReferenceSkipped as skipped:
         return {"skipped": str(skipped)}
     except (errors.FarmError, MemoryError) as error:

@@ -209,7 +209,7 @@ def submit_matrix(
             for spec in specs
             if not (refuse_uncompilable and _cannot_compile_here(spec.target, toolchain))
         ]
-        retire_quarantined(session, store, identity, compilable, toolchain)
+        retire_quarantined(session, store, identity, compilable, toolchain, recipe)
     known = [known_outcome(session, identity, spec, toolchain, recipe) for spec in specs]
     if refuse_uncompilable:
         for index, (spec, outcome) in enumerate(zip(specs, known, strict=True)):

@@ -177,3 +177,33 @@ def done_output(session: Session, stage_key: str) -> StageOutput | None:
     """The finished stage of this key, or None."""
     row = find(session, stage_key)
     return row if row is not None and row.state == DONE else None
+
+
+def stage_view(row: StageOutput) -> dict[str, Any]:
+    """A stage as `GET /v1/stages/{key}` and `farm pull --ir` see it."""
+    return {
+        "stage_key": row.stage_key,
+        "kind": row.kind,
+        "state": row.state,
+        "args": row.args,
+        "input_stage_key": row.input_stage_key,
+        "tool_versions": row.tool_versions,
+        "output_files": row.output_files,
+        "metrics": row.metrics,
+        "error": row.error,
+        "created_at": row.created_at,
+        "finished_at": row.finished_at,
+    }
+
+
+def require_done(session: Session, stage_key: str) -> StageOutput:
+    """The done stage of this key, or NotFound saying what became of it."""
+    from farm.core.errors import NotFound
+
+    row = find(session, stage_key)
+    if row is None:
+        raise NotFound(f"the farm has no stage {stage_key}: submit the source first")
+    if row.state != DONE:
+        why = f": {row.error}" if row.error else ""
+        raise NotFound(f"stage {stage_key} is {row.state}{why}")
+    return row

@@ -55,15 +55,18 @@ class StageOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def load(kind: str, args: dict) -> ModuleType | dict:
+def load(kind: str, raw: dict) -> ModuleType | dict:
     """The kind's module, imported with its frameworks (`prepare`) now, as the worker's user
-    (the compile user may not be able to read them); or the error payload when it cannot."""
+    (the compile user may not be able to read them); or the error payload when it cannot.
+    `raw`: the request; a module whose frameworks import lazily runs itself once on a model of
+    its own when the child is about to switch user (``run_as``)."""
     for name, value in OFFLINE.items():
         os.environ[name] = value or str(Path.cwd() / ".torch")
     os.environ["HF_HOME"] = str(Path.cwd() / ".hf")
     try:
         module = importlib.import_module(MODULES[kind])
-        module.prepare(args)
+        files = {role: Path(path) for role, path in raw["files"].items()}
+        module.prepare(raw["args"], switching_user=bool(raw.get("run_as")), files=files)
     except errors.FarmError as error:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         return {"error": error.code, "message": str(error)}

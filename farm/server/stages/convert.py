@@ -15,8 +15,11 @@ the IR computes what the source does).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,9 +43,14 @@ _VERSIONS: dict[str, str] = {}
 """Read in `prepare`, before the child switches user (the metadata may be unreadable after)."""
 
 
-def prepare(args: dict[str, Any]) -> None:
+def prepare(
+    args: dict[str, Any], *, switching_user: bool = False, files: dict[str, Path] | None = None
+) -> None:
     """Import OpenVINO and the format's framework (as the worker's user, before the sandbox
-    switches user); ConverterUnavailable names the extra when the framework is missing."""
+    switches user); ConverterUnavailable names the extra when the framework is missing.
+    `switching_user`: the child switches to the compile user next, who may not read the Python
+    installation: torch and transformers import dozens of modules lazily, so the conversion runs
+    once now on a tiny model of farm's own (never on the user's files)."""
     import openvino  # noqa: F401
 
     fmt = args["format"]
@@ -61,8 +69,50 @@ def prepare(args: dict[str, Any]) -> None:
     _VERSIONS["openvino"] = ov.get_version()
     for distribution in DISTRIBUTIONS.get(fmt, ()):
         _VERSIONS[distribution] = _version(distribution)
-    if fmt in sources.TORCH_FORMATS:
+    if switching_user and fmt in sources.TORCH_FORMATS:
         _warm_up_torch(fmt)
+    if switching_user and fmt == sources.HUGGINGFACE:
+        _warm_up_optimum(args["task"], (files or {}).get("config.json"))
+
+
+def _warm_up_optimum(task: str, config: Path | None) -> None:
+    """Export a tiny BERT of our own with optimum-intel, and import the modules of the
+    folder's own architecture (read from its config.json's model_type: JSON, no code)."""
+    import json
+
+    import torch
+    import transformers
+    from optimum.exporters.openvino import main_export
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model_type = ""
+    if config is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            model_type = str(json.loads(config.read_text()).get("model_type") or "")
+    if model_type.isidentifier():
+        with contextlib.suppress(ImportError):
+            importlib.import_module(f"transformers.models.{model_type.replace('-', '_')}")
+    with tempfile.TemporaryDirectory(prefix="farm-warm-up-") as folder:
+        torch.manual_seed(0)
+        sizes: dict[str, Any] = {
+            "vocab_size": 64,
+            "hidden_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 8,
+            "max_position_embeddings": 64,
+        }
+        BertForSequenceClassification(BertConfig(**sizes)).save_pretrained(folder + "/in")
+        # Best effort: what it misses fails again, with its real error, in the conversion.
+        with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(Exception):
+            main_export(
+                model_name_or_path=folder + "/in",
+                output=folder + "/out",
+                task="text-classification",
+                local_files_only=True,
+            )
+    transformers.logging.get_logger(__name__)
+    del task  # the folder's task's own classes were imported with its architecture
 
 
 def _warm_up_torch(fmt: str) -> None:
@@ -156,7 +206,32 @@ def _torch(source: sources.Source, args: dict[str, Any]) -> Any:
     for port, entry in zip(model.inputs, examples, strict=False):
         if entry.get("name"):
             port.get_tensor().set_names({entry["name"]})
+    # OpenVINO leaves the inputs of a converted program dynamic; the shapes the program was
+    # exported (or the example inputs were given) with are the model's: a static model is
+    # what an NPU compiles and what a reference run needs. --shape still reshapes it.
+    shapes = [entry["shape"] for entry in examples] or _exported_shapes(program, found)
+    if shapes and len(shapes) == len(model.inputs):
+        try:
+            model.reshape({i: ov.PartialShape(shape) for i, shape in enumerate(shapes)})
+        except Exception as error:
+            raise ConversionError(_failed(source, error)) from error
     return model
+
+
+def _exported_shapes(program: Any, found: str) -> list[list[int]]:
+    """The static shapes of a torch.export program's user inputs ([] when any is symbolic)."""
+    if found != sources.PT2:
+        return []
+    users = set(program.graph_signature.user_inputs)
+    shapes = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in users:
+            value = node.meta.get("val")
+            dims = list(getattr(value, "shape", []))
+            if not all(isinstance(d, int) for d in dims):
+                return []
+            shapes.append(dims)
+    return shapes
 
 
 def _example_tensor(torch: Any, entry: dict[str, Any]) -> Any:

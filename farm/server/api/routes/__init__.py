@@ -9,7 +9,7 @@ ROUTERS = (
     models.router,
     jobs.router,
     blobs.router,
-    stages.router,
     keys.router,
     workers.router,
+    stages.router,
 )
