@@ -131,7 +131,8 @@ def test_pull_ir_gives_the_compressed_ir(farm_home, chain_xml, tmp_path):
                    check=False)  # fmt: skip
     assert missing.returncode == 3  # not found: nothing compressed that way yet
     plain = farm(farm_home, "pull", str(chain_xml), "--ir", str(out), check=False)
-    assert plain.returncode == 2 and "--ir is for sources the farm converts or compresses" in plain.stderr
+    assert plain.returncode == 2
+    assert "--ir is for sources the farm converts or compresses" in plain.stderr
 
 
 def test_max_drift_fails_the_job_with_the_figure(farm_home, chain_xml):

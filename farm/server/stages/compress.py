@@ -272,12 +272,32 @@ def _nncf() -> Any:
 # --- the sandbox child's entry (farm.server.stages.child) ------------------------------------
 
 
-def prepare(args: dict[str, Any]) -> None:
+def prepare(
+    args: dict[str, Any], *, switching_user: bool = False, files: dict[str, Path] | None = None
+) -> None:
     """Import OpenVINO and NNCF as the worker's user, before the child switches user;
-    `ConverterUnavailable` names the extra when NNCF is missing."""
+    `ConverterUnavailable` names the extra when NNCF is missing. `switching_user`: the compile
+    user may not read the Python installation, and NNCF imports its algorithms lazily, so both
+    run once now on a tiny model of farm's own (never on the user's files)."""
     import openvino  # noqa: F401
 
-    _nncf()
+    nncf = _nncf()
+    if switching_user:
+        _warm_up(nncf)
+
+
+def _warm_up(nncf: Any) -> None:
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    x = ops.parameter([1, 3, 4, 4], ov.Type.f32, name="x")
+    kernel = ops.constant(np.full((4, 3, 1, 1), 0.5, np.float32))
+    conv = ops.convolution(x, kernel, [1, 1], [0, 0], [0, 0], [1, 1])
+    weights = ops.constant(np.full((4, 4), 0.25, np.float32))
+    model = ov.Model([ops.matmul(ops.reshape(conv, [4, 16], False), weights, True, False)], [x])
+    nncf.compress_weights(model.clone(), mode=nncf.CompressWeightsMode.INT8_ASYM)
+    sample = np.ones((1, 3, 4, 4), np.float32)
+    nncf.quantize(model, nncf.Dataset([sample]), subset_size=1)
 
 
 def run(request: StageRequest) -> StageOutcome:
