@@ -237,6 +237,15 @@ def submit(
         sys.exit(worst)
 
 
+def _compressed_cell(compressed: dict[str, Any] | None) -> str:
+    """`int4_sym 0.144x` for a blob of a compressed model (`farm blobs`); empty otherwise."""
+    if not compressed:
+        return ""
+    what = compressed["args"].get("mode") or compressed["args"].get("precision")
+    ratio = (compressed.get("metrics") or {}).get("ratio")
+    return f"{what} {ratio:.3g}x" if ratio else str(what)
+
+
 def _exit_code_of(result: dict[str, Any]) -> int:
     """A spec's share of `farm submit`'s exit code; the command exits with the worst."""
     if result["outcome"] == "unavailable":
@@ -439,7 +448,7 @@ def blobs(
     def human() -> None:
         headers = (
             *("cache key", "model", "target", "OpenVINO", "size", "compile s", "created"),
-            "state",
+            *("state", "compressed"),
         )
         cells = [
             [
@@ -451,6 +460,7 @@ def blobs(
                 f"{row['compile_seconds'] or 0:.2f}",
                 str(row["created_at"])[:19],
                 "QUARANTINED" if row.get("quarantined_at") else "",
+                _compressed_cell(row.get("compression")),
             ]
             for row in rows
         ]

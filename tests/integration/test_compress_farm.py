@@ -76,6 +76,8 @@ def test_two_specs_over_one_compressed_model_compress_once(farm_home, chain_xml)
     assert metrics["size_after"] / metrics["size_before"] < 0.27
     assert 0 < metrics["drift"]["max_abs_diff"] < 0.05
     assert compression["tool_versions"]["nncf"]
+    listed_human = farm(farm_home, "blobs").stdout
+    assert listed_human.count("int8_asym 0.25") == 2
     human = farm(farm_home, "status", first["cache_key"]).stdout
     assert "int8_asym" in human and "max-abs" in human
 
