@@ -35,7 +35,7 @@ from .common import (
 )
 
 NAME = "convert"
-MODEL_MB = 128
+MODEL_MB = 512
 
 
 def main() -> dict:

@@ -101,7 +101,12 @@ class Stage:
         known = KINDS.get(kind)
         if known is None:
             raise SpecError(f"unknown stage {kind!r}; known stages: {', '.join(sorted(KINDS))}")
-        return cls(kind, known.canonical(dict(args or {})))
+        try:
+            return cls(kind, known.canonical(dict(args or {})))
+        except (TypeError, ValueError, AttributeError) as error:
+            if isinstance(error, SpecError):
+                raise
+            raise SpecError(f"the {kind} stage's arguments are malformed: {error}") from None
 
     def canonical(self) -> dict[str, Any]:
         return {"stage": self.kind, "args": dict(self.args)}

@@ -195,6 +195,16 @@ def test_bad_stage_arguments_are_refused(args, message):
         stages.Stage.create("convert", args)
 
 
+def test_malformed_arguments_are_a_spec_error_not_a_crash():
+    for args in (
+        {"format": "pt2", "example_input": [{"shape": 5}]},
+        {"format": "pt2", "example_input": [{"shape": ["a"]}]},
+        {"format": ["tflite"]},
+    ):
+        with pytest.raises(SpecError):
+            stages.Stage.create("convert", args)
+
+
 def test_an_unknown_stage_kind_names_the_known_ones():
     with pytest.raises(
         SpecError, match="unknown stage 'prune'; known stages: compress, convert, quantize"

@@ -29,7 +29,7 @@ from farm.core.stages import Stage, recipe_from_json, stage_keys
 from farm.server.db.models import Job, Model
 from farm.server.jobs.sandbox import stage_in_child
 from farm.server.stages import catalog
-from farm.server.storage import BlobStore, model_storage_key
+from farm.server.storage import BlobStore, LocalPaths, model_storage_key
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +178,19 @@ def _run_here(
         raise
     outputs = {"xml": result.xml, "bin": result.bin}
     identity = {role: sha256_file(path) for role, path in outputs.items()}
+    size = sum(path.stat().st_size for path in outputs.values())
     for role, path in outputs.items():
         store_key = model_storage_key(identity[role])
-        if not store.exists(store_key):
-            store.put_file(store_key, path, expected_sha256=identity[role])
-    size = sum(path.stat().st_size for path in outputs.values())
+        if store.exists(store_key):
+            continue
+        stored = store.adopt_file(store_key, path)  # a local store moves it: no copy
+        if stored.sha256 != identity[role]:
+            raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
+        if not path.exists():  # moved into a local store: the compile reads it there
+            assert isinstance(store, LocalPaths)
+            local = store.local_path(store_key)
+            assert local is not None
+            outputs[role] = local
     seconds = time.perf_counter() - started
     # The service registers rows; imported here: it imports the runner's neighbours.
     from farm.server.jobs.service import register_model
