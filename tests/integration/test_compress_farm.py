@@ -113,6 +113,9 @@ def test_the_edge_computes_the_compressed_blobs_key_offline(farm_home, chain_xml
 
 def test_pull_ir_gives_the_compressed_ir(farm_home, chain_xml, tmp_path):
     farm_json(farm_home, "submit", str(chain_xml), "-d", "CPU", "--compress", "int8")
+    # The blob computes the compressed model's reference outputs (not the uncompressed ones).
+    verified = farm(farm_home, "verify", str(chain_xml), "-d", "CPU", "--compress", "int8")
+    assert "passed" in verified.stdout
     out = tmp_path / "ir"
     pulled = farm_json(farm_home, "pull", str(chain_xml), "--compress", "int8", "--ir", str(out))
     import openvino as ov

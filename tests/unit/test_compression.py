@@ -288,3 +288,21 @@ def test_golden_stage_keys_of_compression():
     assert stages.Stage.create("compress", {"mode": "INT4-SYM", "group_size": "128"}) == (
         stages.Stage.create("compress", compress_args("int4-sym"))
     )
+
+
+def test_a_compressed_blob_is_judged_against_the_compressed_models_outputs():
+    """Its reference outputs are not the source framework's (those are the uncompressed
+    numbers, the compression's recorded drift away): `farm verify` would quarantine it."""
+    from types import SimpleNamespace
+
+    from farm.server.jobs.runner import _reference_source
+
+    convert = {"stage": "convert", "args": {"format": "tflite"}}
+    for kind, args in (
+        ("compress", compress_args("int8")),
+        ("quantize", quantize_args("int8", CALIBRATION)),
+    ):
+        job = SimpleNamespace(recipe=[convert, {"stage": kind, "args": args}])
+        assert _reference_source(None, job, None, None, None) is None
+    plain = SimpleNamespace(recipe=[{"stage": "compress", "args": compress_args("int8")}])
+    assert _reference_source(None, plain, None, None, None) is None  # an IR: its own outputs

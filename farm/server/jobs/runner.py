@@ -267,8 +267,13 @@ def _compile_and_store(
 
 def _reference_source(store, job, source_row, work_dir, model_cache):
     """(format, files) of the source a convert stage made the compiled model from, for the
-    reference run to compute its outputs from (docs §15); None without a convert stage."""
+    reference run to compute its outputs from (docs §15); None without a convert stage, or
+    with a compress/quantize stage after it."""
     if not job.recipe or job.recipe[0].get("stage") != "convert":
+        return None
+    if any(stage.get("stage") in ("compress", "quantize") for stage in job.recipe):
+        # A compressed model is judged against its own outputs: the source computes the
+        # uncompressed numbers, and the compression's distance from them is its recorded drift.
         return None
     with _work_disk(work_dir):
         files = _fetch_model(store, source_row, work_dir / "reference-source", model_cache)
