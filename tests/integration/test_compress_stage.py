@@ -168,3 +168,13 @@ def test_quantize_without_samples_is_refused(tmp_path):
     xml = save(cnn_classifier(), tmp_path / "in" / "model.xml")
     with pytest.raises(ConversionError, match="no calibration samples"):
         run_stage(QUANTIZE, quantize_args("int8", {"a.npy": "cd" * 32}), xml, tmp_path / "out")
+
+
+def test_a_model_too_large_to_run_within_the_memory_limit_is_compressed_without_drift(tmp_path):
+    xml = save(matmul_chain(), tmp_path / "in" / "model.xml")
+    result = run_stage(
+        COMPRESS, compress_args("int8"), xml, tmp_path / "out", seed="k", memory_bytes=1 << 20
+    )
+    assert result.metrics["drift"] is None
+    assert result.metrics["drift_note"].startswith("drift not measured: a CPU run of this")
+    assert result.metrics["ratio"] < 0.27
