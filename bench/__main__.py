@@ -31,6 +31,7 @@ BENCHMARKS = {
     "verify": "farm verify vs a plain import + one inference of the same blob (issue 16)",
     "submit_overhead": "embedded submit of a 512 MB IR vs direct compile + one sha256 (17.16)",
     "channels": "no-change channel sync x20 edges; a 500-edge staged rollout (issue 29)",
+    "compress": "int8/int4 sizes; compress stage vs nncf.compress_weights direct (issue 27)",
     "convert": "a .pt2 converted + compiled through the farm vs directly; 2nd spec; RSS (26)",
 }
 ON_DEMAND = {

@@ -25,6 +25,7 @@ ORDER = [
     "submit_overhead",
     "verify",
     "channels",
+    "compress",
 ]
 
 

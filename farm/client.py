@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -160,12 +160,15 @@ class FarmClient:
         rebuild: bool = False,
         reference_inputs: str | None = None,
         recipe: list[dict] | None = None,
+        max_drift: str | None = None,
     ) -> dict:
         body = {"model": model, "model_name": name, "specs": specs, "toolchain": toolchain}
         if reference_inputs:
             body["reference_inputs"] = reference_inputs
         if recipe:
             body["recipe"] = recipe
+        if max_drift:
+            body["max_drift"] = max_drift
         return self._call("POST", "/v1/submissions", json={**body, "rebuild": rebuild})
 
     def submit_model(
@@ -176,6 +179,8 @@ class FarmClient:
         uploading: Callable[[int], AbstractContextManager[Progress]] | None = None,
         rebuild: bool = False,
         reference_inputs: Path | None = None,
+        extra_files: Mapping[str, Path] | None = None,
+        max_drift: str | None = None,
     ) -> dict:
         """Submit `ref` for every spec; when a new job needs model files the farm lacks
         (409 `model_missing`), upload only those, then submit again. A hit uploads nothing.
@@ -193,9 +198,21 @@ class FarmClient:
             "runtime_requirements": toolchain.runtime_requirements,
         }
         recipe = recipe_json(ref.recipe) or None
+        if extra_files:  # a stage's own inputs (calibration samples): uploaded up front
+            wanted = set(self.missing(sorted(extra_files)))
+            for sha, path in extra_files.items():
+                if sha in wanted:
+                    self.upload(sha, path)
         try:
             return self.submit(
-                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
+                dict(ref.identity),
+                ref.name,
+                body,
+                wire_toolchain,
+                rebuild,
+                inputs_sha,
+                recipe,
+                max_drift,
             )
         except ApiError as error:
             if error.code != "model_missing":
@@ -207,8 +224,9 @@ class FarmClient:
             for sha, path in files:
                 self.upload(sha, path, advance)
         return self.submit(
-            dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
-        )
+            dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe,
+            max_drift,
+        )  # fmt: skip
 
     # --- jobs ---------------------------------------------------------------------------------
 

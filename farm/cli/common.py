@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from farm.cli.backends import Backend, open_backend
-from farm.core import keyprefix
+from farm.core import compression, keyprefix
 from farm.core.config import Settings, get_settings
 from farm.core.errors import FarmError, Kind, NeedsDatabase, NotInstalled
 from farm.core.text import printable, redact, size_text
@@ -339,6 +339,14 @@ def print_blob(blob: dict) -> None:
         say(f"reference  {blob['reference_note']}")
     if blob.get("quarantined_at"):
         say(f"QUARANTINED since {str(blob['quarantined_at'])[:19]}: {blob['quarantine_reason']}")
+    compressed = blob.get("compression")
+    if compressed:
+        metrics = compressed.get("metrics") or {}
+        what = compressed["args"].get("mode") or compressed["args"].get("precision")
+        say(
+            f"{compressed['kind']:<10} {what}: {compression.size_summary(metrics)}; drift "
+            f"{compression.drift_summary(metrics) or 'not measured'}"
+        )
 
 
 @contextlib.contextmanager

@@ -29,8 +29,9 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
+from farm.cli.compression import compression_request
 from farm.cli.jobs import source_options, source_ref, specs_from_options
-from farm.core import keyprefix
+from farm.core import compression, keyprefix
 from farm.core.config import get_settings
 from farm.core.errors import IntegrityMismatch, NotFound
 from farm.core.identity import key_for
@@ -52,14 +53,19 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     for MODEL (any source format, with --example-input/--task as submitted) + spec flags; with
     the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
+        compression_request(options)  # no compression flags without a model to apply them to
         return resolve_key(farm, key_or_model), None
     from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
 
     specs = specs_from_options(options)
     if len(specs) != 1:
         raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
+    compressed = compression_request(options)
     ref, _ = source_ref(
-        Path(key_or_model), options.pop("example_inputs", ()), options.pop("task", None)
+        Path(key_or_model),
+        options.pop("example_inputs", ()),
+        options.pop("task", None),
+        compressed=compressed,
     )
     key = key_for(ref.identity, specs[0], host_toolchain(specs[0].target), ref.recipe)
     return key, None if ref.recipe else ref.files.get("bin")
@@ -98,8 +104,9 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     "--ir",
     "ir_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="MODEL is a source the farm converts: download the converted OpenVINO IR into this "
-    "folder (model.xml, model.bin, each checked against the stage's sha256) instead of a blob.",
+    help="MODEL is a source the farm converts (or --compress/--quantize): download the IR its "
+    "last stage made into this folder (model.xml, model.bin, each checked against the stage's "
+    "sha256) instead of a blob.",
 )
 @click.option("--import", "do_import", is_flag=True, help="Import it here and report the time.")
 @click.option(
@@ -185,9 +192,15 @@ def _pull_ir(model: Path, ir_dir: Path, options: dict[str, Any], as_json: bool) 
     from farm.core.hashing import sha256_file
     from farm.core.stages import stage_keys
 
-    ref, source = source_ref(model, options.pop("example_inputs", ()), options.pop("task", None))
+    compressed = compression_request(options)
+    ref, source = source_ref(
+        model, options.pop("example_inputs", ()), options.pop("task", None), compressed=compressed
+    )
     if not ref.recipe:
-        raise SpecError(f"--ir is for sources the farm converts; {model} is {source.format}")
+        raise SpecError(
+            f"--ir is for sources the farm converts or compresses (--compress); {model} is "
+            f"{source.format}"
+        )
     key = stage_keys(ref.identity, ref.recipe)[-1]
     farm = backend()
     record = farm.stage(key)
@@ -212,8 +225,22 @@ def _pull_ir(model: Path, ir_dir: Path, options: dict[str, Any], as_json: bool) 
             )
         partial.replace(dest)
         written[role] = str(dest)
-    data = {"stage_key": key, "files": written, "tool_versions": record["tool_versions"]}
-    emit(data, as_json, lambda: say(f"converted IR of {model.name} (stage {key[:12]}) → {ir_dir}"))
+    data = {
+        "stage_key": key,
+        "kind": record["kind"],
+        "files": written,
+        "tool_versions": record["tool_versions"],
+        "metrics": record.get("metrics") or {},
+    }
+
+    def human() -> None:
+        say(f"{record['kind']} IR of {model.name} (stage {key[:12]}) → {ir_dir}")
+        if record["kind"] in ("compress", "quantize"):
+            metrics = data["metrics"]
+            size, drift = compression.size_summary(metrics), compression.drift_summary(metrics)
+            say(f"measured   {size}; drift {drift or 'not measured'}")
+
+    emit(data, as_json, human)
 
 
 def _copy_atomically(source: Path, output: Path) -> None:

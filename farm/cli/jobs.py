@@ -41,6 +41,7 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
+from farm.cli.compression import CompressionRequest, compression_options, compression_request
 from farm.core import keyprefix, sources, stages
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
@@ -87,7 +88,9 @@ def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
 
 
 def source_options(command: Any) -> Any:
-    """--example-input and --task: what converting a source needs (docs §15)."""
+    """--example-input and --task: what converting a source needs; the compression flags
+    (`farm.cli.compression`): the stages a recipe may add (docs §15)."""
+    command = compression_options(command)
     command = click.option(
         "--task",
         metavar="TASK",
@@ -109,11 +112,15 @@ def source_ref(
     example_inputs: tuple[str, ...],
     task: str | None,
     progress: Any = None,
+    compressed: CompressionRequest | None = None,
 ) -> tuple[ModelRef, sources.Source]:
     """The model as submitted or pulled: any source format (`sources.detect`), its digests,
-    and the recipe it needs (`stages.recipe_for`): the same key on a submitter and an edge."""
+    and the recipe it needs (`stages.recipe_for`, then the compression asked for): the same
+    key on a submitter and an edge."""
     source = sources.detect(model)
     recipe = stages.recipe_for(source, example_inputs, task)
+    if compressed is not None and compressed.kind:
+        recipe = (*recipe, stages.Stage.create(compressed.kind, compressed.args))
     digests = digest_cache(get_settings().cache_dir).sha256
     ref = ModelRef.from_source(model, progress, digests=digests).with_recipe(recipe)
     return ref, source
@@ -183,14 +190,17 @@ def submit(
     # OpenVINO loads only here: the listing commands start without it.
     from farm import prepare, toolchain
 
+    compressed = compression_request(options)
     specs = specs_from_options(options)
+    compressed.check_targets([spec.target.name for spec in specs])
     source = sources.detect(model)
     total = sum(f.stat().st_size for f in source.files.values())
     with progress_bar(f"hashing {model.name}", total, quiet or as_json) as advance:
-        ref, source = source_ref(model, example_inputs, task, advance)
+        ref, source = source_ref(model, example_inputs, task, advance, compressed)
     if not source.needs_conversion:  # a source is checked on the worker, once converted
         for spec in specs:
             prepare.check_model(ref.files, spec)
+        compressed.check_calibration(ref.files)
     if toolchain_file is not None:
         wanted = Toolchain.from_json(_json_of(toolchain_file), (s.target for s in specs))
     else:
@@ -203,7 +213,14 @@ def submit(
 
         load_inputs(reference_inputs)  # a bad file is exit 2 here, not a note on the blob later
     answer = farm.submit(
-        ref, specs, wanted, progress, rebuild=rebuild, reference_inputs=reference_inputs
+        ref,
+        specs,
+        wanted,
+        progress,
+        rebuild=rebuild,
+        reference_inputs=reference_inputs,
+        extra_files=compressed.files_to_upload(),
+        max_drift=str(compressed.max_drift) if compressed.max_drift else None,
     )
     results = answer["results"]
     for result in results:
@@ -219,6 +236,15 @@ def submit(
     worst = max(map(_exit_code_of, results))
     if worst:
         sys.exit(worst)
+
+
+def _compressed_cell(compressed: dict[str, Any] | None) -> str:
+    """`int4_sym 0.144x` for a blob of a compressed model (`farm blobs`); empty otherwise."""
+    if not compressed:
+        return ""
+    what = compressed["args"].get("mode") or compressed["args"].get("precision")
+    ratio = (compressed.get("metrics") or {}).get("ratio")
+    return f"{what} {ratio:.3g}x" if ratio else str(what)
 
 
 def _exit_code_of(result: dict[str, Any]) -> int:
@@ -442,7 +468,7 @@ def blobs(
     def human() -> None:
         headers = (
             *("cache key", "model", "target", "OpenVINO", "size", "compile s", "created"),
-            "state",
+            *("state", "compressed"),
         )
         cells = [
             [
@@ -454,6 +480,7 @@ def blobs(
                 f"{row['compile_seconds'] or 0:.2f}",
                 str(row["created_at"])[:19],
                 "QUARANTINED" if row.get("quarantined_at") else "",
+                _compressed_cell(row.get("compression")),
             ]
             for row in rows
         ]

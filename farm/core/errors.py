@@ -137,6 +137,20 @@ class TokenError(FarmError, ValueError):
     kind, code = Kind.BAD_INPUT, "invalid_token"
 
 
+class CompressionArgsError(SpecError):
+    """Compression or quantization arguments that are invalid, or that the target cannot run
+    (NF4 weights below NPU 4000)."""
+
+    code = "invalid_compression"
+
+
+class CalibrationError(FarmError, ValueError):
+    """A calibration folder for `--quantize` that is unreadable, too small, or whose arrays do
+    not fit the model's inputs."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_calibration"
+
+
 class BlobTooLarge(CompileError):
     """The compile wrote a blob past its size limit (`FARM_MAX_BLOB_BYTES`): the job fails and
     nothing is stored."""
@@ -247,6 +261,13 @@ class BlobQuarantined(FarmError):
     """The blob failed a verification somewhere (or an admin quarantined it): not imported."""
 
     kind, code = Kind.REJECTED, "quarantined"
+
+
+class DriftExceeded(FarmError):
+    """A compressed or quantized model drifts from the uncompressed one past the submitter's
+    `--max-drift`: nothing is published from it."""
+
+    kind, code = Kind.REJECTED, "drift_exceeded"
 
 
 class VerificationFailed(FarmError):

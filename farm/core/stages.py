@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from farm.core import compression
 from farm.core.errors import SpecError
 from farm.core.hashing import canonical_json
 from farm.core.sources import (
@@ -348,3 +349,14 @@ def recipe_for(
                 "feature-extraction, ...)"
             )
     return (convert_stage(source.format, example_input, task),)
+
+
+# --- the compress and quantize stages (farm/core/compression.py, §15) ---------------------------
+
+NNCF = register_converter(Converter("nncf", ("nncf",), "compress"))
+COMPRESS = register(
+    StageKind(compression.COMPRESS, compression.canonical_compress, lambda args: NNCF.name)
+)
+QUANTIZE = register(
+    StageKind(compression.QUANTIZE, compression.canonical_quantize, lambda args: NNCF.name)
+)

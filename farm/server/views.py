@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from farm.server import routing
-from farm.server.db.models import Blob, Job, Model, Verification, Worker
+from farm.server.db.models import Blob, Job, Model, StageOutput, Verification, Worker
 from farm.server.jobs.phases import phases_of
 
 
@@ -49,7 +49,9 @@ def job_dict(job: Job, model_name: str | None = None) -> dict[str, Any]:
     }
 
 
-def blob_dict(blob: Blob) -> dict[str, Any]:
+def blob_dict(blob: Blob, compression: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A blob as API answers and CLI output show it; `compression`: `compression_dict` of it
+    (or of a page: `compressions`), never read here (no query per row of a listing)."""
     return {
         "cache_key": blob.cache_key,
         "target": blob.target,
@@ -74,6 +76,50 @@ def blob_dict(blob: Blob) -> dict[str, Any]:
         "reference_note": blob.reference_note,
         "quarantined_at": blob.quarantined_at,
         "quarantine_reason": blob.quarantine_reason,
+        "compression": compression,
+    }
+
+
+COMPRESSION_KINDS = ("compress", "quantize")
+
+
+def compressions(session: Session, blobs: Sequence[Blob]) -> dict[int, dict[str, Any]]:
+    """`compression_dict` of many blobs in one query (the dashboard's page), by blob id."""
+    job_ids = {blob.job_id: blob.id for blob in blobs if blob.job_id is not None}
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(Job.id, StageOutput)
+        .join(StageOutput, StageOutput.stage_key == Job.stage_key)
+        .where(Job.id.in_(job_ids), StageOutput.kind.in_(COMPRESSION_KINDS))
+    )
+    return {job_ids[job_id]: _compression(row) for job_id, row in rows}
+
+
+def compression_dict(session: Session, blob: Blob) -> dict[str, Any] | None:
+    """How the model the blob was compiled from was compressed (docs §15): the stage, its
+    args, the sizes and drift it measured, NNCF's version; None when it was not."""
+    if blob.job_id is None:
+        return None
+    row = session.scalar(
+        select(StageOutput)
+        .join(Job, Job.stage_key == StageOutput.stage_key)
+        .where(Job.id == blob.job_id, StageOutput.kind.in_(COMPRESSION_KINDS))
+    )
+    return None if row is None else _compression(row)
+
+
+def _compression(row: StageOutput) -> dict[str, Any]:
+    metrics = dict(row.metrics or {})
+    return {
+        "kind": row.kind,
+        "stage_key": row.stage_key,
+        "args": row.args,
+        "metrics": {
+            name: metrics.get(name)
+            for name in ("size_before", "size_after", "ratio", "weights", "resolved", "drift")
+        },
+        "tool_versions": row.tool_versions or {},
     }
 
 

@@ -10,7 +10,7 @@
   cannot alter a CHECK constraint, so there the table is rebuilt (no view reads it).
 
 Revision ID: 0018
-Revises: 0015
+Revises: 0016
 Create Date: 2026-11-24 21:00:00.000000
 """
 
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0018"
-down_revision = "0015"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 

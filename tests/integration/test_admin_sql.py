@@ -257,6 +257,12 @@ def check_gc_record(rows, h: History):
     assert [blob["cache_key"] for blob in h.gc["blobs"]] == [h.keys["c"]]
 
 
+def check_compressed(rows, h: History):
+    # This history compiles models as they are: none of its blobs may show as compressed
+    # (tests/integration/test_compress_farm.py checks the view on compressed blobs).
+    assert rows == []
+
+
 CHECKS = {
     "Blob inventory by target and toolchain": check_inventory,
     "Largest blobs": check_largest,
@@ -278,6 +284,7 @@ CHECKS = {
     "Latency by platform": check_latency_by_platform,
     "Blobs that failed somewhere": check_failed_somewhere,
     "What `farm gc` deleted": check_gc_record,
+    "Compressed blobs: what they saved and how far they drift": check_compressed,
 }
 
 

@@ -206,8 +206,10 @@ def test_malformed_arguments_are_a_spec_error_not_a_crash():
 
 
 def test_an_unknown_stage_kind_names_the_known_ones():
-    with pytest.raises(SpecError, match="unknown stage 'quantize'; known stages: convert"):
-        stages.Stage.create("quantize", {})
+    with pytest.raises(
+        SpecError, match="unknown stage 'prune'; known stages: compress, convert, quantize"
+    ):
+        stages.Stage.create("prune", {})
 
 
 def test_stage_keys_chain_and_the_model_part(tmp_path):

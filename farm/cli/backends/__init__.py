@@ -9,7 +9,7 @@ imports it only when no API is configured: an edge install has no SQLAlchemy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,10 +41,14 @@ class Backend(Protocol):
         progress: SubmitProgress,
         rebuild: bool = False,
         reference_inputs: Path | None = None,
+        extra_files: Mapping[str, Path] | None = None,
+        max_drift: str | None = None,
     ) -> dict[str, Any]:
         """`{"submission_id", "results": [{"cache_key", "target", "outcome", "job"}]}`.
         `rebuild`: replace the specs' quarantined blobs with new compiles. `reference_inputs`:
-        an .npz the new jobs compute their reference outputs from."""
+        an .npz the new jobs compute their reference outputs from. `extra_files`: files a
+        stage reads besides the model (calibration samples), by sha256, stored like model
+        files. `max_drift`: the bound the new jobs' compressed model must meet (§15)."""
         ...
 
     def job(self, job_id: int) -> dict[str, Any]: ...

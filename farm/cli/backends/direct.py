@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +44,8 @@ from farm.server.pagination import MAX_PAGE, job_cursor
 from farm.server.storage import model_storage_key, reference_storage_key
 from farm.server.views import (
     blob_dict,
+    compression_dict,
+    compressions,
     job_dict,
     job_rows,
     job_view,
@@ -82,6 +84,8 @@ class Direct:
         progress: SubmitProgress,
         rebuild: bool = False,
         reference_inputs: Path | None = None,
+        extra_files: Mapping[str, Path] | None = None,
+        max_drift: str | None = None,
     ) -> dict[str, Any]:
         inputs_sha = None
         if reference_inputs is not None:  # stored like a model file, where the worker reads it
@@ -89,6 +93,9 @@ class Direct:
             self.farm.store.put_file(
                 model_storage_key(inputs_sha), reference_inputs, expected_sha256=inputs_sha
             )
+        for sha, path in (extra_files or {}).items():  # calibration samples, likewise
+            if not self.farm.store.exists(model_storage_key(sha)):
+                self.farm.store.put_file(model_storage_key(sha), path, expected_sha256=sha)
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
@@ -105,6 +112,7 @@ class Direct:
                     refuse_uncompilable=not self.farm.settings.served,
                     reference_inputs=inputs_sha,
                     rebuild=rebuild,
+                    max_drift=max_drift,
                     recipe=ref.recipe,
                 )
         finally:
@@ -183,7 +191,10 @@ class Direct:
             blob = blobs.resolve(session, cache_key)
             if blob is None:
                 return None
-            return {**blob_dict(blob), "status": signed_status(blob, self.farm.status_signer)}
+            return {
+                **blob_dict(blob, compression_dict(session, blob)),
+                "status": signed_status(blob, self.farm.status_signer),
+            }
 
     def cache_keys(self, prefix: str) -> list[str]:
         with self._session() as session:
@@ -193,7 +204,8 @@ class Direct:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
             with self._session() as session:
                 rows = blobs.list_blobs(session, target, size, cursor)
-                return [blob_dict(blob) for blob in rows], blobs.page_cursor(rows, size)
+                found = compressions(session, rows)
+                return [blob_dict(b, found.get(b.id)) for b in rows], blobs.page_cursor(rows, size)
 
         return _pages(page, limit)
 
@@ -272,11 +284,12 @@ class Direct:
     def quarantine(self, cache_key: str, reason: str) -> dict[str, Any]:
         with self._session() as session:
             blob = verifications.quarantine(session, cache_key, f"{reason} (by {_operator()})")
-            return blob_dict(blob)
+            return blob_dict(blob, compression_dict(session, blob))
 
     def release(self, cache_key: str) -> dict[str, Any]:
         with self._session() as session:
-            return blob_dict(verifications.release(session, cache_key, _operator()))
+            released = verifications.release(session, cache_key, _operator())
+            return blob_dict(released, compression_dict(session, released))
 
     def delete_blob(self, cache_key: str) -> None:
         with self._session() as session:

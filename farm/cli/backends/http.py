@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,18 @@ class Http:
         progress: SubmitProgress,
         rebuild: bool = False,
         reference_inputs: Path | None = None,
+        extra_files: Mapping[str, Path] | None = None,
+        max_drift: str | None = None,
     ) -> dict[str, Any]:
         return self.client.submit_model(
-            ref, specs, toolchain, progress.uploading, rebuild, reference_inputs
+            ref,
+            specs,
+            toolchain,
+            progress.uploading,
+            rebuild,
+            reference_inputs,
+            extra_files=extra_files,
+            max_drift=max_drift,
         )
 
     def job(self, job_id: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
 from farm.server.jobs.phases import phases_of_page
 from farm.server.tokens import Caller, TokenExpired, authenticate
-from farm.server.views import model_names
+from farm.server.views import compressions, model_names
 
 COOKIE = "farm_dashboard"
 """The session cookie: a session id (`sessions`), never the API token."""
@@ -173,7 +173,7 @@ def dashboard(
             workers == "all",
             {**_summary(request), "live_workers": len(live)},
             html.jobs_table(jobs, model_names(session, jobs), phases_of_page(session, jobs)),
-            html.blobs_table(blobs, pulls),
+            html.blobs_table(blobs, pulls, compressions(session, blobs)),
             html.workers_table(shown, live),
             _channels(session, running),
         )

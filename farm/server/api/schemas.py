@@ -119,6 +119,12 @@ class SubmissionRequest(Strict):
         description="Replace the specs' quarantined blobs with new compiles (409 when "
         "a spec's blob is not quarantined).",
     )
+    max_drift: str | None = Field(
+        None,
+        max_length=200,
+        description="With a compress or quantize stage: fail new jobs whose compressed model "
+        "drifts past this bound ('0.05', 'max-abs=0.05,cosine=0.999,top1=0.98'; docs §15).",
+    )
 
 
 class JobOut(BaseModel):
@@ -204,6 +210,9 @@ class BlobOut(BaseModel):
     status: dict[str, Any] | None = None
     """On a resolve: the blob's state (ok or quarantined), signed now by the farm's status key
     with its expiry (`farm.core.status.BlobStatus`); what edges of this version act on."""
+    compression: dict[str, Any] | None = None
+    """The compress or quantize stage the model was made by (docs §15): kind, stage_key,
+    args, metrics (size_before, size_after, ratio, drift, ...), tool_versions; null: none."""
 
 
 class PullIn(Strict):

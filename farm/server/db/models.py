@@ -227,6 +227,11 @@ class Job(Base):
         comment="Key of the recipe's last stage: its stage_outputs row holds the model compiled "
         "(join stage_outputs.stage_key); null: no recipe.",
     )
+    max_drift: Mapped[str | None] = mapped_column(
+        Text,
+        comment="The submitter's --max-drift bound on the compressed model's drift (max-abs=..,"
+        "cosine=..,top1=..); null: none. Checked against the stage's recorded drift, not keyed.",
+    )
 
 
 class Blob(Base):

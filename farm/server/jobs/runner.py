@@ -228,6 +228,7 @@ def _compile_and_store(
                     sessions, store, job, source_row, work_dir, lease, limits, model_cache
                 )
             files, model_row = prepared.files, prepared.model
+            _check_drift(sessions, job)
         with _work_disk(work_dir):
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
@@ -237,10 +238,14 @@ def _compile_and_store(
         return lambda session: _finish(
             session, job, JobState.CANCELLED, error="cancelled while running"
         )
-    except (CompileTimeout, errors.CompileError, errors.ConverterUnavailable) as error:
-        message = str(error)
-        log_text = f"failed: {message}" + (f"\n--- stage output ---\n{error.output}" if
-                                             getattr(error, "output", "") else "")  # fmt: skip
+    except (
+        CompileTimeout,
+        errors.CompileError,
+        errors.ConverterUnavailable,
+        errors.DriftExceeded,
+    ) as error:
+        message, output = str(error), getattr(error, "output", "")
+        log_text = f"failed: {message}" + (f"\n--- stage output ---\n{output}" if output else "")
         return lambda session: _finish(
             session, job, JobState.FAILED, error=message, log_text=log_text
         )
@@ -303,8 +308,13 @@ def _compile_and_store(
 
 def _reference_source(store, job, source_row, work_dir, model_cache):
     """(format, files) of the source a convert stage made the compiled model from, for the
-    reference run to compute its outputs from (docs §15); None without a convert stage."""
+    reference run to compute its outputs from (docs §15); None without a convert stage, or
+    with a compress/quantize stage after it."""
     if not job.recipe or job.recipe[0].get("stage") != "convert":
+        return None
+    if any(stage.get("stage") in ("compress", "quantize") for stage in job.recipe):
+        # A compressed model is judged against its own outputs: the source computes the
+        # uncompressed numbers, and the compression's distance from them is its recorded drift.
         return None
     with _work_disk(work_dir):
         files = _fetch_model(store, source_row, work_dir / "reference-source", model_cache)
@@ -367,6 +377,20 @@ def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model
         lease.should_stop,
         stage_limits,
     )
+
+
+def _check_drift(sessions, job) -> None:
+    """The submitter's `--max-drift` against the drift the compression stage recorded (a
+    reused stage's too): DriftExceeded with the figures, before anything is compiled."""
+    if not job.max_drift:
+        return
+    from farm.core.compression import DriftBound
+    from farm.server.stages import catalog
+
+    with sessions() as session:
+        row = catalog.find(session, job.stage_key)
+        metrics = dict(row.metrics or {}) if row is not None else {}
+    DriftBound.parse(job.max_drift).check(metrics)
 
 
 def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:

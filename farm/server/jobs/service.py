@@ -19,7 +19,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from farm.core import hashing, sources
+from farm.core import compression, hashing, sources
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.errors import (
@@ -67,6 +67,7 @@ def submit(
     max_attempts: int | None = None,
     reference_inputs: str | None = None,
     commit: bool = True,
+    max_drift: str | None = None,
 ) -> Submission:
     """Return the hit, the active job for the same cache key, or a new queued job.
 
@@ -83,7 +84,11 @@ def submit(
     if known is not None:
         return known
     key = key_for(model.identity, spec, toolchain, model.recipe)
-    needed = [*model.identity.values(), *([reference_inputs] if reference_inputs else [])]
+    needed = [
+        *model.identity.values(),
+        *([reference_inputs] if reference_inputs else []),
+        *stage_input_files(model.recipe),
+    ]
     missing = missing_model_files(store, needed)
     if missing:
         raise ModelMissing(missing)
@@ -102,6 +107,7 @@ def submit(
         reference_inputs=reference_inputs,
         recipe=recipe_json(model.recipe) if model.recipe else None,
         stage_key=stage_keys(model.identity, model.recipe)[-1] if model.recipe else None,
+        max_drift=max_drift,
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
@@ -138,6 +144,14 @@ def known_outcome(
     if active is not None:
         return Submission("existing", key, active)
     return None
+
+
+def stage_input_files(recipe: Recipe) -> list[str]:
+    """sha256 of the files a recipe's stages read besides the model (a `quantize` stage's
+    calibration samples), stored like model files: a new job needs them in the store."""
+    return [
+        sha for stage in recipe for sha in compression.stage_inputs(stage.kind, stage.args).values()
+    ]
 
 
 def missing_model_files(store: BlobStore, digests: Iterable[str]) -> list[str]:
@@ -183,6 +197,7 @@ def submit_matrix(
     reference_inputs: str | None = None,
     rebuild: bool = False,
     recipe: Recipe = (),
+    max_drift: str | None = None,
 ) -> MatrixSubmission:
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
@@ -223,6 +238,7 @@ def submit_matrix(
                 rebuild=rebuild,
                 submission_id=submission_id,
                 recipe=recipe,
+                max_drift=max_drift,
             )
             session.commit()
             break
@@ -260,6 +276,7 @@ def _record_matrix(
     rebuild: bool,
     submission_id: str,
     recipe: Recipe,
+    max_drift: str | None,
 ) -> tuple[list[tuple[CompileSpec, Submission]], list[tuple[int, str]]]:
     """`submit_matrix`'s rows, flushed and not committed: the outcome per spec, and the new
     jobs to dispatch once they are committed."""
@@ -314,6 +331,7 @@ def _record_matrix(
                 submission_id=submission_id,
                 reference_inputs=reference_inputs,
                 upload_from=upload_from,
+                max_drift=max_drift,
             )
             if outcome.outcome == "queued":
                 assert outcome.job_id is not None
@@ -335,6 +353,7 @@ def _new_job(
     submission_id: str,
     reference_inputs: str | None,
     upload_from: ModelRef | None,
+    max_drift: str | None = None,
 ) -> Submission:
     """`submit` one spec of a matrix, uploading the model's files first where the store lacks
     them and this host has them (the direct CLI)."""
@@ -350,6 +369,7 @@ def _new_job(
         submission_id=submission_id,
         max_attempts=settings.max_attempts,
         reference_inputs=reference_inputs,
+        max_drift=max_drift,
         commit=False,
     )
     try:

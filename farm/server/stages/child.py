@@ -19,7 +19,11 @@ from typing import Any
 from farm.core import errors
 from farm.core.rss import peak_rss_bytes, reset_peak_rss
 
-MODULES = {"convert": "farm.server.stages.convert"}
+MODULES = {
+    "convert": "farm.server.stages.convert",
+    "compress": "farm.server.stages.compress",
+    "quantize": "farm.server.stages.compress",
+}
 """Stage kind -> the module that runs it in the child: ``prepare(args)``, ``run(request)``."""
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",

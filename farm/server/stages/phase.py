@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from farm.core import sources
+from farm.core import compression, sources
 from farm.core.errors import CompileCancelled, ConversionError
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelInfo
@@ -150,11 +150,16 @@ def _run_here(
     started = time.perf_counter()
     try:
         files = fetch(input_row, folder / "input")
+        names = sources.layout(input_row.files)
+        extra = compression.stage_inputs(stage.kind, stage.args)  # calibration samples
+        if extra:
+            files.update(fetch(Model(files=extra), folder / "input"))
+            names.update(sources.layout(extra))
         with _renewing(sessions, key, job.id, limits.lease_seconds):
             result = stage_in_child(
                 stage.kind,
                 files,
-                sources.layout(input_row.files),
+                names,
                 stage.args,
                 folder / "out",
                 key,

@@ -23,7 +23,7 @@ from farm.server.blobs.signatures import signed_status
 from farm.server.pagination import MAX_PAGE
 from farm.server.storage import LocalPaths, Presigning, presign_seconds, reference_storage_key
 from farm.server.tokens import Caller
-from farm.server.views import blob_dict, verification_dict
+from farm.server.views import blob_dict, compression_dict, compressions, verification_dict
 
 router = APIRouter(tags=["blobs"], dependencies=[Depends(known_query_only)])
 
@@ -44,7 +44,8 @@ def list_blobs(
     with farm.session() as session:
         blobs = service.list_blobs(session, target, limit, cursor)
         link_next(request, response, service.page_cursor(blobs, limit))
-        return [BlobOut(**blob_dict(b)) for b in blobs]
+        found = compressions(session, blobs)
+        return [BlobOut(**blob_dict(b, found.get(b.id))) for b in blobs]
 
 
 @router.get("/v1/blobs/{cache_key}", responses={404: {}})
@@ -53,7 +54,10 @@ def resolve(cache_key: Sha256, farm: Farm, _: PullCaller) -> BlobOut:
     (ok or quarantined) signed now by the farm's status key: what edges act on."""
     with farm.session() as session:
         blob = service.require(session, cache_key)
-        return BlobOut(**blob_dict(blob), status=signed_status(blob, farm.status_signer))
+        return BlobOut(
+            **blob_dict(blob, compression_dict(session, blob)),
+            status=signed_status(blob, farm.status_signer),
+        )
 
 
 @router.get(
@@ -172,7 +176,7 @@ def quarantine(cache_key: Sha256, body: QuarantineIn, farm: Farm, caller: AdminC
     """Quarantine a blob (admin): edges refuse it until it is released."""
     with farm.session() as session:
         blob = verifications.quarantine(session, cache_key, f"{body.reason} (by {caller.name})")
-        return BlobOut(**blob_dict(blob))
+        return BlobOut(**blob_dict(blob, compression_dict(session, blob)))
 
 
 @router.delete("/v1/blobs/{cache_key}", status_code=204, responses={404: {}, 409: {}})
@@ -187,4 +191,5 @@ def delete_blob(cache_key: Sha256, farm: Farm, caller: AdminCaller) -> None:
 def release(cache_key: Sha256, farm: Farm, caller: AdminCaller) -> BlobOut:
     """Lift a blob's quarantine (admin); its verifications stay."""
     with farm.session() as session:
-        return BlobOut(**blob_dict(verifications.release(session, cache_key, caller.name)))
+        released = verifications.release(session, cache_key, caller.name)
+        return BlobOut(**blob_dict(released, compression_dict(session, released)))

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy.orm import Session
 
+from farm.core.compression import DriftBound
 from farm.core.errors import ApiError, ModelFileError, NotFound, SpecError
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec, Toolchain
@@ -72,6 +73,7 @@ def submit(
             reference_inputs=body.reference_inputs,
             refuse_uncompilable=not farm.settings.served,
             rebuild=body.rebuild,
+            max_drift=_drift_bound(body.max_drift),
         )
         return SubmissionResponse(
             submission_id=submitted.submission_id,
@@ -179,3 +181,8 @@ def _job_id(job_id: int) -> int:
 
 def _job_out(farm: FarmContext, session: Session, job: Job) -> JobOut:
     return JobOut(**job_view(session, job, farm.settings.worker_heartbeat_seconds))
+
+
+def _drift_bound(text: str | None) -> str | None:
+    """`--max-drift` in its one spelling (422 for a bound that is not one)."""
+    return str(DriftBound.parse(text)) if text else None
