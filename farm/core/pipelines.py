@@ -218,7 +218,7 @@ NPU_TOKEN_ALIGNMENT = 64
 """NPUW rounds MAX_PROMPT_LEN and MIN_RESPONSE_LEN up to a multiple of 64 before compiling
 (openvino `src/plugins/intel_npu/src/plugin/npuw/llm_compiled_model.cpp`, ``align_to(..., 64u)``),
 so 200 and 256 compile the same blob: the key holds the rounded value."""
-NPU_DEFAULTS = {
+NPU_DEFAULTS: dict[str, Any] = {
     "max_prompt_len": 1024,
     "min_response_len": 128,
     "generate_hint": "FAST_COMPILE",

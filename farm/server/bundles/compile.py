@@ -1,0 +1,83 @@
+"""Compile a GenAI pipeline folder exactly as the edge's pipeline will load it.
+
+CPU (the proof on this machine): build the same pipeline with `CACHE_DIR` set and collect every
+cache entry OpenVINO wrote. NPU: GenAI's own ahead-of-time export (`EXPORT_BLOB` + `BLOB_PATH`,
+or `export_model` for text-to-image). Either way the fixed reference run is recorded where the
+target runs on this host. Facts: docs/openvino.md, "GenAI pipelines".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from farm.core.bundles import CACHE_FOLDER
+from farm.core.errors import CompileError, PipelineError
+from farm.core.pipelines import GenAIOptions, PipelineFolder
+from farm.core.spec import Target
+from farm.genai import open_pipeline, reference_run
+from farm.toolchain import classify_failure
+
+EXPORT_FOLDER = "export"
+NPU_BLOB = "openvino_model.blob"
+
+
+@dataclass(frozen=True)
+class CompiledPipeline:
+    outputs: dict[str, Path]
+    """What the compile produced, by its path in the ready folder (``cache/<entry>.blob`` on
+    CPU, ``<name>.blob`` on NPU)."""
+    reference: dict[str, Any]
+
+
+def export_properties(folder: PipelineFolder, options: GenAIOptions, work: Path) -> dict[str, Any]:
+    """The properties a pipeline is compiled with on this worker (into `work`)."""
+    properties = options.properties()
+    if options.target.is_npu:
+        if folder.kind in ("llm", "whisper"):
+            properties |= {"EXPORT_BLOB": True, "BLOB_PATH": str(work / EXPORT_FOLDER / NPU_BLOB)}
+        elif folder.kind == "vlm":
+            raise PipelineError(
+                "--pipeline vlm on NPU: GenAI 2026.4 has no ahead-of-time export for VLMs; "
+                "compile it for CPU, or let the edge compile it"
+            )
+    else:
+        properties["CACHE_DIR"] = str(work / CACHE_FOLDER)
+    return properties
+
+
+def compile_pipeline(folder: PipelineFolder, options: GenAIOptions, work: Path) -> CompiledPipeline:
+    """Compile `folder` for `options.target` into the empty folder `work`."""
+    target: Target = options.target
+    properties = export_properties(folder, options, work)
+    (work / CACHE_FOLDER).mkdir(parents=True, exist_ok=True)
+    (work / EXPORT_FOLDER).mkdir(parents=True, exist_ok=True)
+    try:
+        pipeline = open_pipeline(folder.kind, folder.root, target.device, properties)
+        if target.is_npu and folder.kind == "text2image":
+            pipeline.export_model(str(work / EXPORT_FOLDER))
+    except (CompileError, PipelineError):
+        raise
+    except Exception as error:
+        raise classify_failure(target, error) from None
+    if target.is_npu:
+        outputs = {
+            path.relative_to(work / EXPORT_FOLDER).as_posix(): path
+            for path in sorted((work / EXPORT_FOLDER).rglob("*.blob"))
+        }
+        reference: dict[str, Any] = {}
+    else:
+        outputs = {
+            f"{CACHE_FOLDER}/{path.name}": path
+            for path in sorted((work / CACHE_FOLDER).iterdir())
+            if path.is_file()
+        }
+        reference = reference_run(folder.kind, pipeline)
+    del pipeline
+    if not outputs:
+        raise CompileError(
+            f"OpenVINO GenAI compiled the {folder.kind} pipeline for {target} and wrote no "
+            "compiled file: nothing to ship"
+        )
+    return CompiledPipeline(outputs=outputs, reference=reference)

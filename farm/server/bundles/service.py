@@ -1,0 +1,113 @@
+"""Build and publish a pipeline bundle: compile, store every file once (content-addressed, so a
+tokenizer or VAE shared by two bundles is stored once), sign the manifest, store it last (a
+bundle is visible only when all its files are)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from farm.core.bundles import BundleFile, BundleManifest, sign
+from farm.core.errors import NotFound, PipelineError
+from farm.core.hashing import sha256_file
+from farm.core.pipelines import (
+    GenAIOptions,
+    PipelineFolder,
+    bundle_key,
+    context_length,
+    identity,
+)
+from farm.core.signing import Signer
+from farm.core.spec import Target
+from farm.genai import toolchain
+from farm.server.bundles.compile import compile_pipeline
+from farm.server.storage import BlobStore
+
+
+def file_storage_key(sha256: str) -> str:
+    return f"bundle-files/{sha256}"
+
+
+def manifest_storage_key(key: str) -> str:
+    return f"bundles/{key}.json"
+
+
+def key_of(folder: PipelineFolder, options: GenAIOptions) -> str:
+    """The bundle key of `folder` compiled with `options` by this host's releases."""
+    return bundle_key(
+        folder.kind,
+        identity(folder),
+        options.target,
+        options.canonical(),
+        toolchain(options.target),
+    )
+
+
+def options_for(folder: PipelineFolder, target: Target, **flags: Any) -> GenAIOptions:
+    """The canonical options of the flags, checked against the model's context length."""
+    return GenAIOptions.create(folder.kind, target, context_length=context_length(folder), **flags)
+
+
+def build_bundle(
+    store: BlobStore, signer: Signer, folder: PipelineFolder, options: GenAIOptions
+) -> dict[str, Any]:
+    """Compile `folder`, upload what the edge needs and the signed manifest; the signed
+    manifest. An existing bundle is returned as it is (compiled once)."""
+    files = identity(folder)
+    key = bundle_key(
+        folder.kind, files, options.target, options.canonical(), toolchain(options.target)
+    )
+    existing = published(store, key)
+    if existing is not None:
+        return existing
+    with tempfile.TemporaryDirectory(prefix="farm-bundle-") as scratch:
+        compiled = compile_pipeline(folder, options, Path(scratch))
+        entries = [
+            BundleFile(path, files[path], folder.files[path].stat().st_size)
+            for path in sorted(files)
+        ]
+        for path, output in sorted(compiled.outputs.items()):
+            if path in files:
+                raise PipelineError(f"{folder.root / path}: a compiled output has this name")
+            entries.append(BundleFile(path, sha256_file(output), output.stat().st_size))
+        sources = {**{p: folder.files[p] for p in files}, **compiled.outputs}
+        for entry in entries:
+            storage_key = file_storage_key(entry.sha256)
+            if not store.exists(storage_key):
+                store.put_file(storage_key, sources[entry.path], expected_sha256=entry.sha256)
+        manifest = BundleManifest(
+            bundle_key=key,
+            pipeline=folder.kind,
+            target=options.target.name,
+            options=options.canonical(),
+            toolchain=toolchain(options.target),
+            files=tuple(entries),
+            reference=compiled.reference,
+        )
+    signed = sign(manifest, signer)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
+        json.dump(signed, out)
+    try:
+        store.put_file(manifest_storage_key(key), out.name)
+    finally:
+        Path(out.name).unlink(missing_ok=True)
+    return signed
+
+
+def published(store: BlobStore, key: str) -> dict[str, Any] | None:
+    """The signed manifest of bundle `key`, or None if it was never published."""
+    storage_key = manifest_storage_key(key)
+    if not store.exists(storage_key):
+        return None
+    with store.open_read(storage_key) as stream:
+        document: dict[str, Any] = json.load(stream)
+    return document
+
+
+def require(store: BlobStore, key: str) -> dict[str, Any]:
+    found = published(store, key)
+    if found is None:
+        raise NotFound(f"no bundle {key}; compile it with farm submit <folder> first")
+    return found
