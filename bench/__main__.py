@@ -25,6 +25,7 @@ BENCHMARKS = {
     "startup": "read-only commands' start: embedded before/after, and through the API (17.15)",
     "verify": "farm verify vs a plain import + one inference of the same blob (issue 16)",
     "submit_overhead": "embedded submit of a 512 MB IR vs direct compile + one sha256 (17.16)",
+    "pipelines": "edge opening a pulled CPU LLM bundle vs a warm CACHE_DIR build (issue 28)",
 }
 
 

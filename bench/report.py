@@ -24,6 +24,7 @@ ORDER = [
     "startup",
     "submit_overhead",
     "verify",
+    "pipelines",
 ]
 
 

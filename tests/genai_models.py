@@ -7,6 +7,7 @@ optimum-intel, openvino-genai, openvino-tokenizers); tests import it only where 
 
     python -m tests.genai_models llm DIR      # DIR/ holds the OpenVINO pipeline folder
     python -m tests.genai_models whisper DIR
+    python -m tests.genai_models llm DIR 512 8   # hidden size, layers
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def _save_tokenizer_ir(tokenizer: object, folder: Path) -> None:
     ov.save_model(decoder, folder / "openvino_detokenizer.xml")
 
 
-def build_llm(out: Path, seed: int = 0) -> Path:
-    """`out`/ becomes an LLM pipeline folder (openvino_model, tokenizer and detokenizer IR)."""
+def build_llm(out: Path, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
+    """`out`/ becomes an LLM pipeline folder (openvino_model, tokenizer and detokenizer IR);
+    `hidden` and `layers` size it (the benchmark builds a larger one)."""
     import torch
     from optimum.intel import OVModelForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -64,9 +66,9 @@ def build_llm(out: Path, seed: int = 0) -> Path:
     )
     config = LlamaConfig(
         vocab_size=fast.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
@@ -160,5 +162,6 @@ def build_whisper(out: Path, seed: int = 0) -> Path:
 
 if __name__ == "__main__":
     kind, target = sys.argv[1], Path(sys.argv[2])
-    built = {"llm": build_llm, "whisper": build_whisper}[kind](target)
+    sizes = [int(value) for value in sys.argv[3:]]
+    built = build_llm(target, 0, *sizes) if kind == "llm" else build_whisper(target)
     print("\n".join(sorted(p.name for p in built.iterdir())))

@@ -29,6 +29,7 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.jobs import specs_from_options
+from farm.cli.pipelines import pipeline_options, pull_folder
 from farm.core import keyprefix
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
@@ -62,6 +63,7 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
 @main.command()
 @click.argument("key_or_model")
 @spec_options(device_required=False)
+@pipeline_options
 @click.option(
     "--output",
     "-o",
@@ -111,7 +113,11 @@ def pull(
     **options: Any,
 ) -> None:
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
-    compatibility checked first, download resumed and sha256-verified, kept in the cache."""
+    compatibility checked first, download resumed and sha256-verified, kept in the cache.
+    KEY_OR_MODEL may be a GenAI pipeline folder: its bundle is written to -o DIR, ready to open."""
+    if Path(key_or_model).is_dir():
+        pull_folder(Path(key_or_model), options, output, quiet, as_json)
+        return
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
     farm = backend()

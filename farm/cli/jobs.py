@@ -40,6 +40,7 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
+from farm.cli.pipelines import pipeline_options, submit_folder
 from farm.core import hashing, keyprefix
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
@@ -90,8 +91,9 @@ def _split(value: str | None) -> list[str]:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path))
 @spec_options(device_required=True)
+@pipeline_options
 @click.option("--wait/--no-wait", default=False, help="Follow queued jobs to their end.")
 @click.option(
     "--wait-timeout",
@@ -138,7 +140,12 @@ def submit(
 
     Embedded (nothing configured): compiles here, now. Served: queues jobs for workers, through
     the API when FARM_API_URL is set. A blob that already exists is a hit: nothing is uploaded.
+    MODEL may be a GenAI pipeline folder (LLM, VLM, Whisper, text-to-image): it compiles into
+    one signed bundle (`farm pull FOLDER --device ... -o DIR` fetches it).
     """
+    if model.is_dir():
+        submit_folder(model, options, as_json)
+        return
     # OpenVINO loads only here: the listing commands start without it.
     from farm import prepare, toolchain
 

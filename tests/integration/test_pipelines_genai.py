@@ -42,7 +42,8 @@ from farm.edge.bundle import (
 )
 from farm.genai import open_pipeline, reference_run, toolchain
 from farm.server.bundles.compile import compile_pipeline
-from farm.server.bundles.service import build_bundle, file_storage_key, options_for
+from farm.server.bundles.service import build_bundle, options_for
+from farm.server.bundles.storage import file_storage_key
 from farm.server.storage.local import LocalStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,3 +263,36 @@ def test_npu_export_reaches_the_compiler(tiny_llm: Path, tmp_path: Path) -> None
         compile_pipeline(pipeline, options, tmp_path / "work")
     with pytest.raises(PipelineError, match=r"--max-prompt-len 256 .* at most 256"):
         options_for(pipeline, Target.parse("4000"), max_prompt_len=200)
+
+
+def _farm(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FARM_HOME": str(home), "FARM_CACHE_DIR": str(home / "edge-cache")}
+    for name in ("FARM_DATABASE_URL", "FARM_STORAGE_URL", "FARM_API_URL"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "farm", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_cli_submit_pull_verify_a_pipeline_folder(tiny_llm: Path, tmp_path: Path) -> None:
+    import json
+
+    home = tmp_path / "home"
+    submitted = _farm(home, "submit", str(tiny_llm), "--device", "CPU", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    key = json.loads(submitted.stdout)["bundle_key"]
+    ready = tmp_path / "ready"
+    pulled = _farm(home, "pull", str(tiny_llm), "--device", "CPU", "-o", str(ready), "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["bundle_key"] == key  # computed offline from the folder
+    verified = _farm(home, "verify", str(ready), "--json")
+    assert verified.returncode == 0, verified.stderr
+    assert json.loads(verified.stdout)["compiled_on_open"] == []
+    refused = _farm(home, "submit", str(tiny_llm), "--device", "4000", "--max-prompt-len", "4096")
+    assert refused.returncode == 2
+    assert "--max-prompt-len 4096 + --min-response-len 128" in refused.stderr

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, NoReturn
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.client import FarmClient
 from farm.core.config import Settings
+from farm.core.errors import NotInstalled
 from farm.core.identity import ModelRef
+from farm.core.pipelines import GenAIOptions, PipelineFolder
 from farm.core.spec import CompileSpec, Toolchain
 
 
@@ -33,6 +35,15 @@ class Http:
         return self.client.submit_model(
             ref, specs, toolchain, progress.uploading, rebuild, reference_inputs
         )
+
+    def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
+        _no_bundles_over_http()
+
+    def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
+        _no_bundles_over_http()
+
+    def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
+        _no_bundles_over_http()
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)
@@ -104,3 +115,10 @@ class Http:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _no_bundles_over_http() -> NoReturn:
+    raise NotInstalled(
+        "the farm API does not serve pipeline bundles in this version; unset FARM_API_URL and "
+        "run farm submit/pull <folder> with the embedded farm"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from farm.core.bundles import BundleFile, BundleManifest, sign
-from farm.core.errors import NotFound, PipelineError
+from farm.core.errors import PipelineError
 from farm.core.hashing import sha256_file
 from farm.core.pipelines import (
     GenAIOptions,
@@ -23,15 +23,8 @@ from farm.core.signing import Signer
 from farm.core.spec import Target
 from farm.genai import toolchain
 from farm.server.bundles.compile import compile_pipeline
+from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
 from farm.server.storage import BlobStore
-
-
-def file_storage_key(sha256: str) -> str:
-    return f"bundle-files/{sha256}"
-
-
-def manifest_storage_key(key: str) -> str:
-    return f"bundles/{key}.json"
 
 
 def key_of(folder: PipelineFolder, options: GenAIOptions) -> str:
@@ -94,20 +87,3 @@ def build_bundle(
     finally:
         Path(out.name).unlink(missing_ok=True)
     return signed
-
-
-def published(store: BlobStore, key: str) -> dict[str, Any] | None:
-    """The signed manifest of bundle `key`, or None if it was never published."""
-    storage_key = manifest_storage_key(key)
-    if not store.exists(storage_key):
-        return None
-    with store.open_read(storage_key) as stream:
-        document: dict[str, Any] = json.load(stream)
-    return document
-
-
-def require(store: BlobStore, key: str) -> dict[str, Any]:
-    found = published(store, key)
-    if found is None:
-        raise NotFound(f"no bundle {key}; compile it with farm submit <folder> first")
-    return found
