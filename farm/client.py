@@ -21,6 +21,7 @@ from farm.core.errors import ApiError, IntegrityMismatch
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec, Toolchain
+from farm.core.stages import recipe_json
 
 UPLOAD_CHUNK = 1 << 20
 UPLOAD_ATTEMPTS = 30
@@ -153,10 +154,13 @@ class FarmClient:
         toolchain: dict[str, Any],
         rebuild: bool = False,
         reference_inputs: str | None = None,
+        recipe: list[dict] | None = None,
     ) -> dict:
         body = {"model": model, "model_name": name, "specs": specs, "toolchain": toolchain}
         if reference_inputs:
             body["reference_inputs"] = reference_inputs
+        if recipe:
+            body["recipe"] = recipe
         return self._call("POST", "/v1/submissions", json={**body, "rebuild": rebuild})
 
     def submit_model(
@@ -183,9 +187,10 @@ class FarmClient:
             "openvino": toolchain.openvino,
             "runtime_requirements": toolchain.runtime_requirements,
         }
+        recipe = recipe_json(ref.recipe) or None
         try:
             return self.submit(
-                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha
+                dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
             )
         except ApiError as error:
             if error.code != "model_missing":
@@ -196,7 +201,9 @@ class FarmClient:
         with (uploading or _no_progress)(total) as advance:
             for sha, path in files:
                 self.upload(sha, path, advance)
-        return self.submit(dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha)
+        return self.submit(
+            dict(ref.identity), ref.name, body, wire_toolchain, rebuild, inputs_sha, recipe
+        )
 
     # --- jobs ---------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import openvino as ov
 from celery import signals
 
 from farm import toolchain
+from farm.converters import probe as probe_converters
 from farm.core import errors
 from farm.core.config import Settings
 from farm.core.errors import ServiceUnavailable
@@ -59,8 +60,9 @@ def run_worker(
         name: toolchain.host_toolchain(Target.parse(name)).key_part(Target.parse(name))
         for name in compilable
     }
+    converters = probe_converters()  # stages it can run: torch, optimum (docs §15)
     queues = [
-        *routing.worker_queues(toolchains, memory, settings.large_worker_bytes),
+        *routing.worker_queues(toolchains, memory, settings.large_worker_bytes, converters),
         CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"
@@ -86,6 +88,7 @@ def run_worker(
                 pid=os.getpid(),
                 targets=probe,
                 toolchains=toolchains,
+                converters=converters,
                 queues=queues,
                 openvino_version=ov.get_version(),
                 memory_bytes=memory,

@@ -28,12 +28,12 @@ from farm.cli.common import (
     size_text,
     spec_options,
 )
-from farm.cli.jobs import specs_from_options
+from farm.cli.jobs import source_options, source_ref, specs_from_options
 from farm.cli.pipelines import pipeline_options, pull_folder
 from farm.core import keyprefix
 from farm.core.config import get_settings
-from farm.core.digests import digest_cache
-from farm.core.identity import ModelRef, key_for
+from farm.core.identity import key_for
+from farm.core.pipelines import looks_like_pipeline
 from farm.core.spec import SpecError, Target
 
 
@@ -46,8 +46,8 @@ def edge_agent(source: Backend | None = None):
 
 def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[str, Path | None]:
     """A cache key (or a unique prefix of one) given as such, or the key this machine computes
-    for MODEL + spec flags; with the model's `.bin` (the weights a weightless blob imports
-    with)."""
+    for MODEL (any source format, with --example-input/--task as submitted) + spec flags; with
+    the model's `.bin` (the weights a weightless blob imports with)."""
     if options["device"] is None:
         return resolve_key(farm, key_or_model), None
     from farm.toolchain import host_toolchain  # OpenVINO: only when a model is given
@@ -55,14 +55,17 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
     specs = specs_from_options(options)
     if len(specs) != 1:
         raise SpecError("pull takes one spec, not a matrix: one --device, --tiles, --batch")
-    digests = digest_cache(get_settings().cache_dir).sha256
-    ref = ModelRef.from_path(key_or_model, digests=digests)
-    return key_for(ref.identity, specs[0], host_toolchain(specs[0].target)), ref.files.get("bin")
+    ref, _ = source_ref(
+        Path(key_or_model), options.pop("example_inputs", ()), options.pop("task", None)
+    )
+    key = key_for(ref.identity, specs[0], host_toolchain(specs[0].target), ref.recipe)
+    return key, None if ref.recipe else ref.files.get("bin")
 
 
 @main.command()
 @click.argument("key_or_model")
 @spec_options(device_required=False)
+@source_options
 @pipeline_options
 @click.option(
     "--output",
@@ -115,7 +118,7 @@ def pull(
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
     compatibility checked first, download resumed and sha256-verified, kept in the cache.
     KEY_OR_MODEL may be a GenAI pipeline folder: its bundle is written to -o DIR, ready to open."""
-    if Path(key_or_model).is_dir():
+    if options.get("pipeline") or looks_like_pipeline(Path(key_or_model)):
         pull_folder(Path(key_or_model), options, output, quiet, as_json)
         return
     if options["device"] is None:

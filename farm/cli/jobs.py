@@ -41,11 +41,12 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.pipelines import pipeline_options, submit_folder
-from farm.core import hashing, keyprefix
+from farm.core import keyprefix, sources, stages
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.errors import CompilerUnavailable, NotFound, WaitTimeout
 from farm.core.identity import ModelRef
+from farm.core.pipelines import looks_like_pipeline
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import printable, toolchains_text
 from farm.core.vocabulary import FINAL_STATES, JOB_STATES, JobState
@@ -86,6 +87,39 @@ def specs_from_options(options: dict[str, Any]) -> list[CompileSpec]:
         raise SpecError(f"--tiles and --batch take integers: {error}") from None
 
 
+def source_options(command: Any) -> Any:
+    """--example-input and --task: what converting a source needs (docs §15)."""
+    command = click.option(
+        "--task",
+        metavar="TASK",
+        help="Hugging Face folders: the optimum export task (text-generation-with-past, "
+        "text-classification, ...); default: from config.json's architectures.",
+    )(command)
+    return click.option(
+        "--example-input",
+        "example_inputs",
+        multiple=True,
+        metavar="NAME[d1,...]:TYPE",
+        help="PyTorch sources: an input's shape and type, in the order the model takes them "
+        "(repeat, or separate with ;), e.g. 'x[1,3,224,224]:f32'.",
+    )(command)
+
+
+def source_ref(
+    model: Path,
+    example_inputs: tuple[str, ...],
+    task: str | None,
+    progress: Any = None,
+) -> tuple[ModelRef, sources.Source]:
+    """The model as submitted or pulled: any source format (`sources.detect`), its digests,
+    and the recipe it needs (`stages.recipe_for`): the same key on a submitter and an edge."""
+    source = sources.detect(model)
+    recipe = stages.recipe_for(source, example_inputs, task)
+    digests = digest_cache(get_settings().cache_dir).sha256
+    ref = ModelRef.from_source(model, progress, digests=digests).with_recipe(recipe)
+    return ref, source
+
+
 def _split(value: str | None) -> list[str]:
     return [part.strip() for part in str(value).split(",") if part.strip()] if value else []
 
@@ -93,6 +127,7 @@ def _split(value: str | None) -> list[str]:
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @spec_options(device_required=True)
+@source_options
 @pipeline_options
 @click.option("--wait/--no-wait", default=False, help="Follow queued jobs to their end.")
 @click.option(
@@ -134,30 +169,35 @@ def submit(
     rebuild: bool,
     quiet: bool,
     as_json: bool,
+    example_inputs: tuple[str, ...],
+    task: str | None,
     **options: Any,
 ) -> None:
     """Compile MODEL for a target (or a matrix: --device 3720,4000 --batch 1,4).
+
+    MODEL: OpenVINO IR or ONNX, compiled as it is; or a source the farm converts first (once,
+    cached): TFLite, PaddlePaddle, a TensorFlow SavedModel folder or frozen .pb, a torch.export
+    .pt2 or TorchScript .pt (with --example-input), a Hugging Face folder (--task).
 
     Embedded (nothing configured): compiles here, now. Served: queues jobs for workers, through
     the API when FARM_API_URL is set. A blob that already exists is a hit: nothing is uploaded.
     MODEL may be a GenAI pipeline folder (LLM, VLM, Whisper, text-to-image): it compiles into
     one signed bundle (`farm pull FOLDER --device ... -o DIR` fetches it).
     """
-    if model.is_dir():
+    if options.get("pipeline") or looks_like_pipeline(model):
         submit_folder(model, options, as_json)
         return
     # OpenVINO loads only here: the listing commands start without it.
     from farm import prepare, toolchain
 
     specs = specs_from_options(options)
-    files = hashing.model_files(model)
-    total = sum(f.stat().st_size for f in files.values())
+    source = sources.detect(model)
+    total = sum(f.stat().st_size for f in source.files.values())
     with progress_bar(f"hashing {model.name}", total, quiet or as_json) as advance:
-        ref = ModelRef.from_path(
-            model, advance, digests=digest_cache(get_settings().cache_dir).sha256
-        )
-    for spec in specs:
-        prepare.check_model(ref.files, spec)
+        ref, source = source_ref(model, example_inputs, task, advance)
+    if not source.needs_conversion:  # a source is checked on the worker, once converted
+        for spec in specs:
+            prepare.check_model(ref.files, spec)
     if toolchain_file is not None:
         wanted = Toolchain.from_json(_json_of(toolchain_file))
     else:

@@ -23,6 +23,7 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.edge import edge_agent, key_of
+from farm.cli.jobs import source_options
 from farm.core.bundles import MANIFEST_NAME
 from farm.core.config import get_settings
 
@@ -52,6 +53,7 @@ def verify_ready_folder(ready: Path, as_json: bool) -> None:
 @main.command()
 @click.argument("key_or_model")
 @spec_options(device_required=False)
+@source_options
 @click.option(
     "--runs",
     type=click.IntRange(1, 100_000),

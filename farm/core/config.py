@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     """Run each compiled model's source on CPU in f32 and store its outputs beside the blob, for
     `farm verify` on the edges. Skipped (with the reason recorded) for a model too large for
     compile_memory_bytes; false: never."""
+    allow_remote_code: bool = False
+    """Let a Hugging Face folder's own Python code (its .py files, an ``auto_map``) run when the
+    worker converts it (docs/architecture.md §15), in the sandboxed child only. False: such
+    folders are refused, naming this setting."""
     compile_user: str | None = None
     """User (name or uid) the compile child runs as when the worker runs as root; default
     ``nobody``. ``root`` keeps root (not recommended: the child parses untrusted models)."""

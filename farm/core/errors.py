@@ -105,6 +105,21 @@ class ModelError(CompileError):
     code = "invalid_model"
 
 
+class ConversionError(CompileError):
+    """A stage (converting a source, compressing a model) failed: the message names the file
+    and the converter's reason. Nothing it half-made is recorded or reused."""
+
+    code = "conversion_failed"
+
+
+class ConverterUnavailable(FarmError, RuntimeError):
+    """No worker (or not this host) has the converter a recipe needs: the message names it and
+    the extra that installs it (``pip install 'farm[convert]'``)."""
+
+    kind, code = Kind.CANNOT_RUN_HERE, "converter_unavailable"
+    output: str = ""
+
+
 class BlobFormatError(FarmError, ValueError):
     """A file that is not an OpenVINO cache entry farm can read."""
 

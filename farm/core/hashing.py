@@ -82,7 +82,7 @@ def model_digest(model: Mapping[str, str]) -> str:
 
 
 def cache_key(
-    model: Mapping[str, str],
+    model: Mapping[str, Any],
     target: str,
     spec: Mapping[str, Any],
     toolchain: Mapping[str, str],

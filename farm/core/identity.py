@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from farm.core import hashing
+from farm.core import hashing, sources
 from farm.core.spec import CompileSpec, Toolchain
+from farm.core.stages import Recipe, model_part
 
 Digest = Callable[[Path, Callable[[int], None] | None], str]
 FileVersion = tuple[int, int, int, int, int]
@@ -35,6 +36,8 @@ class ModelInfo:
     identity: dict[str, str]
     name: str
     size_bytes: int
+    recipe: Recipe = ()
+    """The stages run on it before the compile (farm.core.stages); () for IR and ONNX."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class ModelRef:
     versions: dict[str, FileVersion] = field(default_factory=dict, compare=False)
     """Each file's `file_version` taken before its digest: while a file still has it, its bytes
     are the ones the digest names (the embedded store copies it without hashing it again)."""
+    recipe: Recipe = ()
+    """The stages run on it before the compile; () for IR and ONNX (`with_recipe`)."""
 
     @classmethod
     def from_path(
@@ -55,13 +60,41 @@ class ModelRef:
         progress: Callable[[int], None] | None = None,
         digests: Digest = hashing.sha256_file,
     ) -> ModelRef:
-        """`digests` computes one file's sha256 (a cache of them, for the CLI)."""
+        """An IR or ONNX model. `digests` computes one file's sha256 (a cache, for the CLI)."""
         files = hashing.model_files(path)
+        return cls._of(path, files, progress, digests)
+
+    @classmethod
+    def from_source(
+        cls,
+        path: str | Path,
+        progress: Callable[[int], None] | None = None,
+        digests: Digest = hashing.sha256_file,
+    ) -> ModelRef:
+        """Any source farm knows (`sources.detect`): IR, ONNX, TFLite, a folder, ..."""
+        return cls._of(path, sources.detect(path).files, progress, digests)
+
+    @classmethod
+    def _of(
+        cls,
+        path: str | Path,
+        files: dict[str, Path],
+        progress: Callable[[int], None] | None,
+        digests: Digest,
+    ) -> ModelRef:
         versions = {role: file_version(file) for role, file in files.items()}
         identity = {role: digests(file, progress) for role, file in sorted(files.items())}
         # The name is only a label; one that is not UTF-8 keeps its readable part.
         name = Path(path).name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         return cls(files, identity, name, versions)
+
+    def with_recipe(self, recipe: Recipe) -> ModelRef:
+        return ModelRef(self.files, self.identity, self.name, self.versions, tuple(recipe))
+
+    @property
+    def key_model(self) -> dict[str, object]:
+        """The ``model`` part of its blobs' cache keys (`stages.model_part`)."""
+        return model_part(self.identity, self.recipe)
 
     @property
     def size_bytes(self) -> int:
@@ -69,11 +102,17 @@ class ModelRef:
 
     @property
     def info(self) -> ModelInfo:
-        return ModelInfo(dict(self.identity), self.name, self.size_bytes)
+        return ModelInfo(dict(self.identity), self.name, self.size_bytes, self.recipe)
 
 
-def key_for(identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain) -> str:
-    """The cache key of (model, spec, toolchain): docs/architecture.md §5."""
+def key_for(
+    identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain, recipe: Recipe = ()
+) -> str:
+    """The cache key of (model, spec, toolchain): docs/architecture.md §5; with a recipe, of
+    the model its last stage makes (§15)."""
     return hashing.cache_key(
-        identity, spec.target.name, spec.canonical(), toolchain.key_part(spec.target)
+        model_part(identity, recipe),
+        spec.target.name,
+        spec.canonical(),
+        toolchain.key_part(spec.target),
     )

@@ -141,6 +141,15 @@ def detect(folder: str | Path, kind: str | None = None) -> PipelineFolder:
     return PipelineFolder(kind=kind, root=root, parts=parts, files=files)
 
 
+def looks_like_pipeline(path: Path) -> bool:
+    """Whether `path` is a folder with a GenAI pipeline's marker file (not a Hugging Face or
+    TensorFlow folder, which are sources to convert first)."""
+    return path.is_dir() and any(
+        (path / (layout.marker or next(iter(layout.parts.values()))[0])).is_file()
+        for layout in LAYOUTS.values()
+    )
+
+
 def _guess_kind(root: Path) -> str:
     for kind in ("text2image", "whisper", "vlm", "llm"):
         layout = LAYOUTS[kind]

@@ -88,6 +88,7 @@ class FarmContext:
             max_blob_bytes=settings.max_blob_bytes,
             compile_user=settings.compile_user,
             reference_outputs=settings.reference_outputs,
+            allow_remote_code=settings.allow_remote_code,
         )
 
     @cached_property

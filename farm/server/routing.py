@@ -13,8 +13,9 @@ that can compile it, and no worker takes a job it would refuse.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
 from sqlalchemy import select
@@ -36,23 +37,52 @@ def toolchain_tag(part: Mapping[str, str]) -> str:
     return f"{part['openvino']}.{digest}"
 
 
-def queue_name(target: str | Target, toolchain: Mapping[str, str], large: bool = False) -> str:
-    """``compile.npu.4000.2026.4.1.1a2b3c4d``; ``.large`` for big models. `toolchain`: the
-    toolchain's key part for the target (`Toolchain.key_part`, what `jobs.toolchain` holds)."""
+NEEDS_PREFIX = ".with-"
+
+
+def queue_name(
+    target: str | Target,
+    toolchain: Mapping[str, str],
+    large: bool = False,
+    needs: Iterable[str] = (),
+) -> str:
+    """``compile.npu.4000.2026.4.1.1a2b3c4d``; ``.large`` for big models; ``.with-torch`` (the
+    converters a job's stages need, sorted, joined by ``+``). `toolchain`: the toolchain's key
+    part for the target (`Toolchain.key_part`, what `jobs.toolchain` holds)."""
     target = target if isinstance(target, Target) else Target.parse(target)
     name = f"compile.{target.name.lower()}.{toolchain_tag(toolchain)}"
-    return f"{name}.large" if large else name
+    if large:
+        name = f"{name}.large"
+    needed = sorted(set(needs))
+    return f"{name}{NEEDS_PREFIX}{'+'.join(needed)}" if needed else name
+
+
+def needs_of(queue: str) -> list[str]:
+    """The converters a queue's jobs need (its ``.with-`` suffix)."""
+    _, found, needs = queue.partition(NEEDS_PREFIX)
+    return needs.split("+") if found else []
 
 
 def worker_queues(
-    toolchains: Mapping[str, Mapping[str, str]], memory_bytes: int, large_worker_bytes: int
+    toolchains: Mapping[str, Mapping[str, str]],
+    memory_bytes: int,
+    large_worker_bytes: int,
+    converters: Iterable[str] = (),
 ) -> list[str]:
     """The queues a worker consumes: for each target it compiles (target → its toolchain's key
-    part), the queue of that toolchain, plus the `.large` ones if it has the memory."""
-    queues = [queue_name(t, part) for t, part in toolchains.items()]
-    if memory_bytes >= large_worker_bytes:
-        queues += [queue_name(t, part, large=True) for t, part in toolchains.items()]
-    return queues
+    part), the queue of that toolchain, plus the `.large` ones if it has the memory; each also
+    for every combination of the converters it has."""
+    have = sorted(set(converters))
+    combos = [
+        list(combo) for size in range(len(have) + 1) for combo in itertools.combinations(have, size)
+    ]
+    sizes = [False, True] if memory_bytes >= large_worker_bytes else [False]
+    return [
+        queue_name(t, part, large=large, needs=combo)
+        for large in sizes
+        for combo in combos
+        for t, part in toolchains.items()
+    ]
 
 
 def register_worker(session: Session, **fields) -> None:
@@ -127,6 +157,16 @@ def note_for(job, served: set[str]) -> str | None:
     """The note of a queued job given the queues live workers serve."""
     if job.queue in served:
         return None
+    needs = needs_of(job.queue)
+    if needs:
+        without = job.queue.partition(NEEDS_PREFIX)[0]
+        if any(queue.partition(NEEDS_PREFIX)[0] == without for queue in served):
+            from farm.converters import missing_message
+
+            return (
+                f"{missing_message(needs, 'any live worker')} (queue {job.queue}); the job waits "
+                "until one starts (farm workers)"
+            )
     return (
         f"no live worker has the toolchain {json.dumps(job.toolchain, sort_keys=True)} for "
         f"{job.target} (queue {job.queue}); the job waits until one starts (farm workers)"

@@ -21,6 +21,7 @@ TABLES = {
     "api_tokens",
     "blob_deletions",
     "verifications",
+    "stage_outputs",
 }
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import base64
 import tracemalloc
+import zipfile
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from farm.core import blobformat, hashing, signing
+from farm.core import blobformat, hashing, signing, sources, stages
 from farm.core.errors import BlobFormatError, SignatureError
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import Manifest, Signer, TrustedKeys
@@ -374,3 +375,81 @@ def test_the_header_is_read_without_reading_the_blob(tmp_path):
         tracemalloc.stop()
     assert header.payload_offset == 4096
     assert peak < 2 * blobformat.MAX_HEADER_BYTES, f"peak {peak} bytes reading a header"
+
+
+# --- stages (docs/architecture.md §15) --------------------------------------------------------
+
+STAGE_VERSION = 1
+"""The `stages.STAGE_KEY_VERSION` these vectors were computed for."""
+BUMP_STAGE = (
+    "a changed stage key re-keys every converted model (every blob compiled from a source "
+    "misses, and every recorded conversion is orphaned): if this change is intended, bump "
+    "farm.core.stages.STAGE_KEY_VERSION and recompute these vectors"
+)
+TFLITE = b"\x1c\x00\x00\x00TFL3golden"
+HF_CONFIG = b'{"architectures": ["BertForSequenceClassification"], "model_type": "bert"}\n'
+HF_WEIGHTS = bytes(range(200))
+GOLDEN_STAGES = {
+    "tflite": "a5cbab236ef11854d90374c31bab389eb57afbab75f0da2904515b07f488c9b2",
+    "huggingface": "a9ad9f188192f6198665c6efea9bc790ce52ae5a898e4a998b60d1e6c01328e5",
+    "torchscript": "668fc175d9b4edca19c3352cd216862f0edc7968edfec1ebb3cf4e4b61e36ff3",
+}
+"""The convert stage of each source: tflite (no args but its format), a Hugging Face folder
+(task from config.json), TorchScript with an example input."""
+GOLDEN_STAGE_CACHE_KEYS = {
+    ("tflite", "CPU"): "26b510ba8b72a7753515688a837865d51a41f41b9353845eaefbddef4159a6d0",
+    ("huggingface", "NPU.4000"): "fc4bd346edc7c97631091062191a3daa9d0ad6a4fcc8f08ca499860b82fc5a70",
+}
+
+
+@pytest.fixture(scope="module")
+def source_paths(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("golden-sources")
+    (folder / "golden.tflite").write_bytes(TFLITE)
+    hf = folder / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_bytes(HF_CONFIG)
+    (hf / "model.safetensors").write_bytes(HF_WEIGHTS)
+    script = folder / "golden.pt"
+    with zipfile.ZipFile(script, "w") as archive:  # the layout torch.jit.save writes
+        for name in ("golden/code/__torch__.py", "golden/constants.pkl", "golden/data.pkl"):
+            info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+            archive.writestr(info, name.encode())
+    return {"tflite": folder / "golden.tflite", "huggingface": hf, "torchscript": script}
+
+
+def _source_key_parts(path: Path) -> tuple[ModelRef, sources.Source]:
+    source = sources.detect(path)
+    examples = ["x[1,3,8,8]:f32"] if source.format == "torchscript" else []
+    ref = ModelRef.from_source(path).with_recipe(stages.recipe_for(source, examples))
+    return ref, source
+
+
+def test_the_stage_vectors_are_for_the_current_stage_version():
+    assert stages.STAGE_KEY_VERSION == STAGE_VERSION, BUMP_STAGE
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_STAGES))
+def test_stage_key(source_paths, kind):
+    ref, source = _source_key_parts(source_paths[kind])
+    assert source.format == kind
+    assert stages.stage_keys(ref.identity, ref.recipe) == [GOLDEN_STAGES[kind]], BUMP_STAGE
+
+
+@pytest.mark.parametrize(
+    ("kind", "target"),
+    list(GOLDEN_STAGE_CACHE_KEYS),
+    ids=[f"{k}-{t}" for k, t in GOLDEN_STAGE_CACHE_KEYS],
+)
+def test_cache_key_of_a_converted_source(source_paths, kind, target):
+    ref, _ = _source_key_parts(source_paths[kind])
+    key = key_for(ref.identity, SPECS[target], TOOLCHAIN, ref.recipe)
+    assert ref.key_model == {"stage": GOLDEN_STAGES[kind]}
+    assert key == GOLDEN_STAGE_CACHE_KEYS[kind, target], BUMP_STAGE
+
+
+def test_ir_and_onnx_keys_have_no_stage(models):
+    """No recipe: the key's model part is the identity, as before stages existed."""
+    for path in models.values():
+        ref = ModelRef.from_source(path)
+        assert ref.key_model == ref.identity == ModelRef.from_path(path).identity

@@ -97,6 +97,7 @@ class Direct:
                     refuse_uncompilable=not self.farm.settings.served,
                     reference_inputs=inputs_sha,
                     rebuild=rebuild,
+                    recipe=ref.recipe,
                 )
         finally:
             dispatcher.close()

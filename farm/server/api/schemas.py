@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from farm.core.sources import MAX_FOLDER_FILES
+from farm.core.stages import MAX_STAGES
 from farm.core.vocabulary import Outcome
 
 
@@ -84,9 +86,25 @@ class ToolchainIn(Strict):
     runtime_requirements: Annotated[Text, StringConstraints(max_length=512)] | None = None
 
 
+class StageIn(Strict):
+    stage: str = Field(max_length=32, description="The stage's kind: 'convert', ...")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Its arguments (canonical form, docs §15)."
+    )
+
+
 class SubmissionRequest(Strict):
-    model: dict[Literal["xml", "bin", "onnx"], Sha256] = Field(
-        description="sha256 of each model file by role: {xml, bin} or {onnx}."
+    model: dict[str, Sha256] = Field(
+        max_length=MAX_FOLDER_FILES,
+        description="sha256 of each model file by role: {xml, bin}, {onnx}, {tflite}, "
+        "{pdmodel, pdiparams}, {pt2}, ...; or, for a folder source (SavedModel, Hugging Face), "
+        "by relative path.",
+    )
+    recipe: list[StageIn] | None = Field(
+        None,
+        max_length=MAX_STAGES,
+        description="The stages run before the compile (docs §15), e.g. "
+        '[{"stage": "convert", "args": {"format": "tflite"}}]; null: none (IR, ONNX).',
     )
     model_name: FileName
     specs: list[SpecIn] = Field(min_length=1, description="One job per spec (a matrix).")

@@ -28,6 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from farm.core.sources import FORMATS
 from farm.core.vocabulary import ACTIVE_STATES, JOB_STATES
 
 _ACTIVE_SQL = f"state IN ({', '.join(repr(str(s)) for s in ACTIVE_STATES)})"
@@ -85,7 +86,9 @@ class Model(Base):
     __tablename__ = "models"
     __table_args__ = (
         *sha256_checks("digest"),
-        CheckConstraint("format IN ('ir', 'onnx')", name="format"),
+        CheckConstraint(
+            "format IN ({})".format(", ".join(f"'{f}'" for f in FORMATS)), name="format"
+        ),
         Index("ix_models_name", "name"),  # 0012: `farm jobs --model NAME`
         {
             "comment": "A model submitted to the farm, identified by the digests of its files. "
@@ -99,9 +102,14 @@ class Model(Base):
         unique=True,
         comment="sha256 of the canonical JSON of `files`: the model's identity. Never changes.",
     )
-    format: Mapped[str] = mapped_column(String(8), comment="'ir' (.xml + .bin) or 'onnx'.")
+    format: Mapped[str] = mapped_column(
+        String(16),
+        comment="'ir' (.xml + .bin), 'onnx', or a source format converted by a stage: 'tflite', "
+        "'paddle', 'savedmodel', 'pb', 'pt2', 'torchscript', 'huggingface' (docs §15).",
+    )
     files: Mapped[dict[str, Any]] = mapped_column(
-        comment="sha256 of each file by role: {xml, bin} or {onnx}. Stored at models/<sha256>."
+        comment="sha256 of each file by role ({xml, bin}, {onnx}, {tflite}, ...) or, for a "
+        "folder, by relative path. Stored at models/<sha256>."
     )
     size_bytes: Mapped[int] = mapped_column(BigInteger, comment="Total size of the files, bytes.")
     name: Mapped[str] = mapped_column(
@@ -115,6 +123,7 @@ class Job(Base):
     __table_args__ = (
         *sha256_checks("reference_inputs"),
         *sha256_checks("cache_key"),
+        *sha256_checks("stage_key"),
         CheckConstraint(
             "state IN ({})".format(", ".join(f"'{s}'" for s in JOB_STATES)), name="state"
         ),
@@ -207,6 +216,16 @@ class Job(Base):
         String(64),
         comment="sha256 of the submitter's reference inputs (.npz, stored with model files); "
         "null: inputs seeded from the cache key.",
+    )
+    recipe: Mapped[list[Any] | None] = mapped_column(
+        JSON,
+        comment="The stages run before the compile, in order ([{stage, args}], docs §15); "
+        "null: none (the model is compiled as it is).",
+    )
+    stage_key: Mapped[str | None] = mapped_column(
+        String(64),
+        comment="Key of the recipe's last stage: its stage_outputs row holds the model compiled "
+        "(join stage_outputs.stage_key); null: no recipe.",
     )
 
 
@@ -415,6 +434,11 @@ class Worker(Base):
         comment="Target → null if it compiles here, else why not (the start-up probe)."
     )
     queues: Mapped[list[str]] = mapped_column(JSON, comment="Queues it consumes.")
+    converters: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON,
+        comment="Converter → its versions ({torch: {torch: '2.13.0'}}), those the worker can "
+        "run stages with (docs §15); null: none, or registered before 0015.",
+    )
     toolchains: Mapped[dict[str, Any] | None] = mapped_column(
         JSON,
         comment="Target → the toolchain key part it compiles with (OpenVINO release; CPU: "
@@ -506,3 +530,63 @@ class BlobDeletion(Base):
     reference_storage_key: Mapped[str | None] = mapped_column(
         Text, comment="Object key of its reference outputs, deleted with it; null: none."
     )
+
+
+STAGE_STATES = ("running", "done", "failed")
+
+
+class StageOutput(Base):
+    __tablename__ = "stage_outputs"
+    __table_args__ = (
+        *sha256_checks("stage_key"),
+        *sha256_checks("input_stage_key"),
+        CheckConstraint(
+            "state IN ({})".format(", ".join(f"'{s}'" for s in STAGE_STATES)), name="state"
+        ),
+        CheckConstraint("(input_model_id IS NULL) <> (input_stage_key IS NULL)", name="one_input"),
+        CheckConstraint("state <> 'done' OR output_model_id IS NOT NULL", name="done_output"),
+        {
+            "comment": "One stage of a recipe (convert, compress, ...) applied to a source or to "
+            "the output of the stage before, content-addressed by stage_key (docs §15). "
+            "Inserted 'running' by the job that claims it (single flight), then 'done' with its "
+            "output model, or 'failed' with the reason; a failed row is taken over by the next "
+            "job that needs it. A done row is never recomputed."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    stage_key: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="sha256 of input, kind and canonical args (§15)."
+    )
+    kind: Mapped[str] = mapped_column(String(32), comment="'convert', 'compress', ...")
+    input_model_id: Mapped[int | None] = mapped_column(
+        ForeignKey("models.id"), comment="The source model it reads; null: reads a stage."
+    )
+    input_stage_key: Mapped[str | None] = mapped_column(
+        String(64), comment="The stage whose output it reads; null: reads a source model."
+    )
+    args: Mapped[dict[str, Any]] = mapped_column(comment="Canonical arguments of the stage.")
+    tool_versions: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="Versions of the tools that ran it ({openvino, torch, optimum-intel, ...}); "
+        "recorded, not keyed."
+    )
+    output_files: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="sha256 of each output file by role ({xml, bin}); null until done."
+    )
+    output_model_id: Mapped[int | None] = mapped_column(
+        ForeignKey("models.id"), comment="The output IR, an ordinary models row; null until done."
+    )
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="What the stage measured (sizes, drift, seconds, peak RSS)."
+    )
+    state: Mapped[str] = mapped_column(String(16), comment="'running', 'done' or 'failed'.")
+    error: Mapped[str | None] = mapped_column(Text, comment="Why it failed; null otherwise.")
+    job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id"), comment="The job that ran it (last claimed it)."
+    )
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        comment="While running: past this, another job may take it over (its job died)."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="First claimed, UTC.")
+    finished_at: Mapped[datetime | None] = mapped_column(comment="Done or failed, UTC.")
+    seconds: Mapped[float | None] = mapped_column(Float, comment="Time the stage ran, seconds.")

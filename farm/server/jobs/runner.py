@@ -25,7 +25,7 @@ from typing import NoReturn
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from farm.core import errors
+from farm.core import errors, sources
 from farm.core.clock import now
 from farm.core.errors import (
     BlobTooLarge,
@@ -83,6 +83,8 @@ class RunLimits:
     """Who compiles when the worker runs as root (`sandbox.compile_identity`; None: nobody)."""
     reference_outputs: bool = True
     """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
+    allow_remote_code: bool = False
+    """A stage may run a Hugging Face folder's own code (FARM_ALLOW_REMOTE_CODE)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def run_job(
     try:
         with lease:
             outcome = _compile_and_store(
-                job, model_row, store, work_dir, lease, limits, signer, model_cache
+                job, model_row, store, work_dir, lease, limits, signer, model_cache, sessions
             )
         with sessions() as session:
             return outcome(session)
@@ -169,21 +171,44 @@ def run_job(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, model_cache):
-    """Returns a function that records the outcome in a session (so recording is one place)."""
+def _compile_and_store(
+    job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions
+):
+    """Returns a function that records the outcome in a session (so recording is one place).
+
+    `source_row` is what was submitted; with a recipe (docs §15) the stage phase makes (or
+    reuses) the model compiled, `model_row`."""
     spec = CompileSpec.from_canonical(job.target, job.spec)
     mismatch = _toolchain_mismatch(job, spec.target)
     if mismatch:  # before any byte is fetched or compiled
         return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
-    max_blob_bytes = blob_size_limit(model_row.size_bytes, limits.max_blob_bytes)
+    model_row = source_row
     try:
         with _work_disk(work_dir):
-            files = _fetch_model(store, model_row, work_dir, model_cache)
             inputs = _fetch_inputs(store, job, work_dir, model_cache)
+            if job.recipe:
+                prepared = _run_stages(
+                    sessions, store, job, source_row, work_dir, lease, limits, model_cache
+                )
+                files, model_row = prepared.files, prepared.model
+            else:
+                files = _fetch_model(store, model_row, work_dir, model_cache)
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
         corrupt = str(error)
         return lambda session: _finish(session, job, JobState.FAILED, error=corrupt)
+    except CompileCancelled:
+        return lambda session: _finish(
+            session, job, JobState.CANCELLED, error="cancelled while running"
+        )
+    except (CompileTimeout, errors.CompileError, errors.ConverterUnavailable) as error:
+        message = str(error)
+        log_text = f"failed: {message}" + (f"\n--- stage output ---\n{error.output}" if
+                                             getattr(error, "output", "") else "")  # fmt: skip
+        return lambda session: _finish(
+            session, job, JobState.FAILED, error=message, log_text=log_text
+        )
+    max_blob_bytes = blob_size_limit(model_row.size_bytes, limits.max_blob_bytes)
     release_free_memory()  # before the compile child's peak, not after it
     try:
         with _work_disk(work_dir):  # the model's files staged, the blob moved for the child
@@ -225,7 +250,7 @@ def _compile_and_store(job, model_row, store, work_dir, lease, limits, signer, m
         session,
         store,
         job,
-        model_row,
+        source_row,
         result,
         stored,
         output,
@@ -263,6 +288,30 @@ def _reference(files, spec, job, model_row, work_dir, inputs, lease, limits) -> 
     return ReferenceFile(path, note)
 
 
+def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model_cache):
+    """The stage phase (farm.server.stages.phase): the model the compile reads."""
+    from farm.server.stages.phase import StageLimits, run_recipe
+
+    stage_limits = StageLimits(
+        lease_seconds=limits.lease_seconds,
+        timeout_seconds=limits.max_run_seconds,
+        memory_bytes=limits.memory_bytes,
+        max_output_bytes=blob_size_limit(source_row.size_bytes, limits.max_blob_bytes),
+        compile_user=limits.compile_user,
+        allow_remote_code=limits.allow_remote_code,
+    )
+    return run_recipe(
+        sessions,
+        store,
+        job,
+        source_row,
+        work_dir,
+        lambda row, folder: _fetch_model(store, row, folder, model_cache),
+        lease.should_stop,
+        stage_limits,
+    )
+
+
 def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
     """The sandbox stops a child at its first byte past the limit (RLIMIT_FSIZE); this is the
     check that holds even where that limit could not be set, before a byte is uploaded."""
@@ -274,13 +323,15 @@ def _check_blob_size(blob_path: Path, max_blob_bytes: int) -> None:
 def _fetch_model(
     store: BlobStore, model_row: Model, work_dir: Path, model_cache: BlobCache | None
 ) -> dict[str, Path]:
-    """Model files as paths the compiler can read: the store's own files when it is local,
-    else from this host's model cache, fetched into it once."""
-    suffix = {"xml": ".xml", "bin": ".bin", "onnx": ".onnx"}
-    return {
-        role: _fetch_file(store, sha, work_dir / f"model{suffix[role]}", model_cache, role)
-        for role, sha in model_row.files.items()
-    }
+    """Model files as paths the compiler (or a stage) can read, laid out in `work_dir` as
+    `sources.layout` says (``model.xml``, a folder's relative paths): the store's own files
+    when it is local, else from this host's model cache, fetched into it once."""
+    files = {}
+    for role, relative in sources.layout(model_row.files).items():
+        local = work_dir.joinpath(*relative.split("/"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        files[role] = _fetch_file(store, model_row.files[role], local, model_cache, role)
+    return files
 
 
 def _fetch_inputs(

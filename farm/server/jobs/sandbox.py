@@ -213,6 +213,89 @@ def reference_in_child(
 
 
 @dataclass(frozen=True)
+class StageRun:
+    """What a stage's child made: the output IR (taken out of the box), what it reports."""
+
+    xml: Path
+    bin: Path
+    tool_versions: dict
+    metrics: dict
+    output: str
+
+
+STAGE_OUTPUT = {"xml": "out/model.xml", "bin": "out/model.bin"}
+"""Where a stage's child writes its output IR, relative to its box."""
+
+
+def stage_in_child(
+    kind: str,
+    files: Mapping[str, Path],
+    names: Mapping[str, str],
+    args: Mapping[str, object],
+    out_dir: Path,
+    stage_key: str,
+    *,
+    timeout_seconds: float,
+    memory_bytes: int | None = None,
+    max_output_bytes: int | None = None,
+    compile_user: str | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    options: Mapping[str, object] | None = None,
+) -> StageRun:
+    """Run one stage (`kind`: convert, compress, ...) in a child with the compile's limits
+    (time, memory, output size, user, environment, no network): its input `files` staged at
+    `names` (relative paths, under ``input/``), its output IR moved to `out_dir`.
+
+    The child is `farm.server.stages.child`: it runs the kind's module. Raises
+    ConversionError (with the child's output) for a stage that failed, CompileTimeout past
+    `timeout_seconds`, CompileCancelled when `should_stop` says so."""
+    with _child_in_box(
+        files,
+        out_dir,
+        f"{stage_key}.stage",
+        compile_identity(compile_user),
+        {
+            "task": "stage",
+            "kind": kind,
+            "args": dict(args),
+            "options": dict(options or {}),
+            "memory_bytes": memory_bytes,
+            "max_blob_bytes": max_output_bytes,
+        },
+        timeout_seconds,
+        should_stop,
+        names={role: f"input/{name}" for role, name in names.items()},
+    ) as run:
+        output = _tail(run.log_path)
+        if run.timed_out:
+            raise _with_output(
+                CompileTimeout(
+                    f"{kind} ran longer than its time limit of {timeout_seconds:.0f} s "
+                    "(FARM_MAX_RUN_SECONDS)"
+                ),
+                output,
+            )
+        result = _read_result(run.result_path)
+        if result is None:
+            death = _death(run.returncode, output, memory_bytes, max_output_bytes)
+            raise _with_output(errors.ConversionError(f"{kind}: {death}"), output)
+        if "error" in result:
+            error_class = _CHILD_ERRORS.get(result["error"], errors.ConversionError)
+            raise _with_output(error_class(result["message"]), output)
+        taken = {
+            role: _take_blob(run.box / relative, out_dir / Path(relative).name)
+            for role, relative in STAGE_OUTPUT.items()
+        }
+    return StageRun(
+        taken["xml"],
+        taken["bin"],
+        dict(result.get("tool_versions") or {}),
+        dict(result.get("metrics") or {}),
+        output,
+    )
+
+
+@dataclass(frozen=True)
 class _ChildRun:
     box: Path
     log_path: Path
@@ -231,11 +314,14 @@ def _child_in_box(
     timeout_seconds: float,
     should_stop: Callable[[], bool],
     extra_files: Mapping[str, Path | None] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Iterator[_ChildRun]:
     """Stage the model's files (and `extra_files`, each passed to the child under its field
     name, None: not given) in a box of the child's own, write its request (`fields` and where
     everything is), run it to its end, and remove the box after the caller took what it
-    wanted from it. Request, result and log sit beside `out_dir`, named after `name`."""
+    wanted from it. Request, result and log sit beside `out_dir`, named after `name`.
+    `names`: where each role's file goes in the box (a relative path; a model folder's layout);
+    default ``model.<role>``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     request = out_dir.parent / f"{name}.request.json"
     result_path = out_dir.parent / f"{name}.result.json"
@@ -244,7 +330,7 @@ def _child_in_box(
     box = _make_box(out_dir, identity)
     try:
         staged = {
-            role: _stage(Path(path), box / f"model.{role}", identity)
+            role: _stage(Path(path), _in_box(box, (names or {}).get(role), role), identity)
             for role, path in files.items()
         }
         extras = {
@@ -270,6 +356,17 @@ def _child_in_box(
         yield _ChildRun(box, log_path, result_path, returncode, timed_out)
     finally:
         shutil.rmtree(box, ignore_errors=True)
+
+
+def _in_box(box: Path, relative: str | None, role: str) -> Path:
+    """Where a staged file goes: ``model.<role>``, or `relative` (folders made as needed)."""
+    if relative is None:
+        return box / f"model.{role}"
+    dest = box.joinpath(*relative.split("/"))
+    if not dest.resolve().is_relative_to(box.resolve()):
+        raise errors.ModelFileError(f"{relative!r}: not a path inside the model's folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
 
 
 def _run_child(
@@ -338,6 +435,8 @@ def _death(
 
 
 _CHILD_ERRORS: dict[str, type[errors.FarmError]] = {
+    errors.ConversionError.code: errors.ConversionError,
+    errors.ConverterUnavailable.code: errors.ConverterUnavailable,
     errors.CompilerUnavailable.code: errors.CompilerUnavailable,
     errors.ModelError.code: errors.ModelError,
     errors.SandboxUnavailable.code: errors.SandboxUnavailable,
@@ -597,6 +696,8 @@ def _child_main(request_path: str, result_path: str) -> int:
     result = open(result_path, "w")  # noqa: SIM115 (written at the very end)
     # Before OpenVINO is imported: the limit covers everything the compile maps or allocates.
     _limit_resources(memory_bytes, request.get("max_blob_bytes"))
+    if request.get("task") == "stage":
+        return _stage_child(request, result, parent)
     from farm.server.jobs import compiler
 
     spec = CompileSpec.from_canonical(request["target"], request["spec"])
@@ -620,6 +721,32 @@ def _child_main(request_path: str, result_path: str) -> int:
             payload = _reference(files, spec, request)
         else:
             payload = _compile(compiler, files, spec, request, memory_bytes)
+    result.write(json.dumps(payload))
+    result.close()
+    return 0
+
+
+def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
+    """The stage op: load the kind's code as the worker's user, switch user, run it."""
+    from farm.server.stages import child
+
+    runner = child.load(request["kind"], request["args"])  # before the switch of user
+    payload: dict
+    if isinstance(runner, dict):  # the kind's frameworks are missing here
+        result.write(json.dumps(runner))
+        result.close()
+        return 0
+    try:
+        if request.get("run_as"):
+            uid, gid = request["run_as"]
+            _become(uid, gid, parent)
+    except OSError as error:
+        payload = {
+            "error": errors.SandboxUnavailable.code,
+            "message": f"cannot switch to the compile user: {error}",
+        }
+    else:
+        payload = child.run(runner, request, request.get("memory_bytes"))
     result.write(json.dumps(payload))
     result.close()
     return 0

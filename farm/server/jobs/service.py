@@ -19,12 +19,13 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from farm.core import hashing
+from farm.core import hashing, sources
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.errors import Forbidden, ModelMissing, NotFound
 from farm.core.identity import ModelInfo, ModelRef, key_for
 from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.core.stages import Recipe, converters_needed, recipe_json, stage_keys
 from farm.core.vocabulary import ACTIVE_STATES, EMBEDDED_QUEUE, JobState, Outcome
 from farm.server import pagination, routing
 from farm.server.blobs.rebuild import retire_quarantined
@@ -66,10 +67,10 @@ def submit(
     `reference_inputs`: sha256 of the submitter's reference inputs, stored like a model file
     (it must be in the store too); a hit ignores it (the blob keeps the reference it has).
     """
-    known = known_outcome(session, model.identity, spec, toolchain)
+    known = known_outcome(session, model.identity, spec, toolchain, model.recipe)
     if known is not None:
         return known
-    key = key_for(model.identity, spec, toolchain)
+    key = key_for(model.identity, spec, toolchain, model.recipe)
     needed = [*model.identity.values(), *([reference_inputs] if reference_inputs else [])]
     missing = missing_model_files(store, needed)
     if missing:
@@ -87,6 +88,8 @@ def submit(
         submission_id=submission_id,
         created_at=now(),
         reference_inputs=reference_inputs,
+        recipe=recipe_json(model.recipe) if model.recipe else None,
+        stage_key=stage_keys(model.identity, model.recipe)[-1] if model.recipe else None,
     )
     if max_attempts is not None:
         job.max_attempts = max_attempts
@@ -105,11 +108,15 @@ def submit(
 
 
 def known_outcome(
-    session: Session, identity: Mapping[str, str], spec: CompileSpec, toolchain: Toolchain
+    session: Session,
+    identity: Mapping[str, str],
+    spec: CompileSpec,
+    toolchain: Toolchain,
+    recipe: Recipe = (),
 ) -> Submission | None:
     """The hit, or the active job for the same cache key; None when a new job is needed.
     Reads only the database: what `submit` answers before it needs the store."""
-    key = key_for(identity, spec, toolchain)
+    key = key_for(identity, spec, toolchain, recipe)
     if session.scalar(select(Blob.id).where(Blob.cache_key == key)) is not None:
         return Submission("hit", key)
     active = _active_job_id(session, key)
@@ -160,6 +167,7 @@ def submit_matrix(
     refuse_uncompilable: bool = False,
     reference_inputs: str | None = None,
     rebuild: bool = False,
+    recipe: Recipe = (),
 ) -> MatrixSubmission:
     """Submit one model for every spec of a matrix: the one submit use case of the farm.
 
@@ -176,6 +184,8 @@ def submit_matrix(
     `reference_inputs`: the sha256 of the submitter's reference inputs, for every new job.
     `rebuild`: first retire the specs' quarantined blobs (`blobs.rebuild`), those this farm
     can compile again (an embedded farm never deletes a blob it could not replace).
+    `recipe`: the stages run on the model before its compile (docs §15); `describe_model`'s
+    answer carries the same recipe.
     """
     submission_id = uuid.uuid4().hex
     if rebuild:
@@ -185,12 +195,16 @@ def submit_matrix(
             if not (refuse_uncompilable and _cannot_compile_here(spec.target, toolchain))
         ]
         retire_quarantined(session, store, identity, compilable, toolchain)
-    known = [known_outcome(session, identity, spec, toolchain) for spec in specs]
+    known = [known_outcome(session, identity, spec, toolchain, recipe) for spec in specs]
     if refuse_uncompilable:
         for index, (spec, outcome) in enumerate(zip(specs, known, strict=True)):
-            reason = _cannot_compile_here(spec.target, toolchain) if outcome is None else None
+            reason = None
+            if outcome is None:
+                reason = _cannot_compile_here(spec.target, toolchain) or _cannot_convert_here(
+                    recipe
+                )
             if reason:
-                key = key_for(identity, spec, toolchain)
+                key = key_for(identity, spec, toolchain, recipe)
                 known[index] = Submission("unavailable", key, reason=reason)
     results: list[tuple[CompileSpec, Submission]] = []
     to_send: list[tuple[int, str]] = []
@@ -198,7 +212,7 @@ def submit_matrix(
     for spec, outcome in zip(specs, known, strict=True):
         if outcome is None:
             model = model or describe_model()
-            queue = route(settings, spec.target, model.size_bytes, toolchain)
+            queue = route(settings, spec.target, model.size_bytes, toolchain, recipe)
             new = functools.partial(
                 submit,
                 session,
@@ -244,13 +258,29 @@ def _cannot_compile_here(target: Target, toolchain: Toolchain) -> str | None:
     return None
 
 
-def route(settings: Settings, target: Target, model_bytes: int, toolchain: Toolchain) -> str:
+def _cannot_convert_here(recipe: Recipe) -> str | None:
+    """Why this host cannot run the recipe's stages (a converter it lacks), or None."""
+    from farm import converters  # the frameworks' metadata only: nothing imported
+
+    missing = converters.missing(converters_needed(recipe))
+    return converters.missing_message(missing, "this host") if missing else None
+
+
+def route(
+    settings: Settings,
+    target: Target,
+    model_bytes: int,
+    toolchain: Toolchain,
+    recipe: Recipe = (),
+) -> str:
     """The queue of a new job: its target's and toolchain's (`routing`), `.large` for big
-    models; embedded: no broker."""
+    models, and the converters its recipe needs; embedded: no broker."""
     if not settings.served:
         return EMBEDDED_QUEUE
     large = model_bytes > settings.large_model_bytes
-    return routing.queue_name(target, toolchain.key_part(target), large)
+    return routing.queue_name(
+        target, toolchain.key_part(target), large, needs=converters_needed(recipe)
+    )
 
 
 def register_model(session: Session, model: ModelInfo) -> Model:
@@ -261,7 +291,7 @@ def register_model(session: Session, model: ModelInfo) -> Model:
         return row
     row = Model(
         digest=digest,
-        format="onnx" if "onnx" in model.identity else "ir",
+        format=sources.format_of(model.identity),
         files=dict(model.identity),
         size_bytes=model.size_bytes,
         name=model.name,

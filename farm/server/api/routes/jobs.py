@@ -8,9 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy.orm import Session
 
-from farm.core.errors import ApiError, NotFound
+from farm.core.errors import ApiError, ModelFileError, NotFound, SpecError
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec, Toolchain
+from farm.core.stages import source_recipe
 from farm.server.api.deps import Dispatch, Farm, SubmitCaller, known_query_only, link_next
 from farm.server.api.schemas import (
     JobOut,
@@ -42,8 +43,10 @@ def submit(
             f"{len(body.specs)} specs is over the limit of {farm.settings.max_matrix}",
         )
     identity: dict[str, str] = {role: sha for role, sha in body.model.items()}
-    if set(identity) not in ({"xml", "bin"}, {"onnx"}):
-        raise ApiError(422, "invalid_model", "model must be {xml, bin} or {onnx} digests")
+    try:
+        recipe = source_recipe(identity, [stage.model_dump() for stage in body.recipe or []])
+    except (ModelFileError, SpecError) as error:
+        raise ApiError(422, error.code, str(error)) from None
     specs = [
         CompileSpec.from_canonical(s.target, s.model_dump(exclude={"target"})) for s in body.specs
     ]
@@ -62,8 +65,9 @@ def submit(
             specs,
             toolchain,
             describe_model=lambda: ModelInfo(
-                identity, body.model_name, _stored_size(farm.store, identity)
+                identity, body.model_name, _stored_size(farm.store, identity), recipe
             ),
+            recipe=recipe,
             submitter=caller.name,
             reference_inputs=body.reference_inputs,
             refuse_uncompilable=not farm.settings.served,
