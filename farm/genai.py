@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from farm.core.errors import NotInstalled
+from farm.core.errors import Incompatible, NotInstalled
 from farm.core.pipelines import GENAI_TOOLS, toolchain_part
 from farm.core.spec import Target
 from farm.toolchain import host_toolchain
@@ -43,11 +43,26 @@ def versions() -> dict[str, str | None]:
 
 
 def toolchain(target: Target) -> dict[str, str]:
-    """This host's part of a bundle key for `target` (`farm.core.pipelines.toolchain_part`)."""
+    """This host's part of a bundle key for `target` (`farm.core.pipelines.toolchain_part`).
+    GenAI and tokenizers of another release than OpenVINO's are refused: their wheels are built
+    against one OpenVINO release, and a bundle's entries import only into that release."""
     found: dict[str, str | None] = dict(versions())
+    release = release_of(found.get("openvino"))
+    for tool in ("openvino_genai", "openvino_tokenizers"):
+        if found.get(tool) and release_of(found[tool]) != release:
+            raise Incompatible(
+                f"{tool.replace('_', '-')} {found[tool]} is not of OpenVINO {found['openvino']}'s "
+                f"release; install the matching one: pip install '{tool.replace('_', '-')}"
+                f"=={release}.*'"
+            )
     if not target.is_npu:
         found["runtime_requirements"] = host_toolchain(target).runtime_requirements
     return toolchain_part(found, target)
+
+
+def release_of(version: str | None) -> str | None:
+    """``2026.4.1`` of ``2026.4.1.0`` (GenAI and tokenizers add a fourth number)."""
+    return ".".join(version.split(".")[:3]) if version else None
 
 
 def _module() -> Any:

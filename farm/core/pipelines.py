@@ -388,6 +388,21 @@ def compile_memory_bytes(folder: PipelineFolder, target: Target) -> int:
     return COMPILE_MEMORY_BASE_BYTES + int(folder.weights_bytes() * factor)
 
 
+def check_memory(folder: PipelineFolder, target: Target, largest_bytes: int | None) -> int:
+    """The compile-memory estimate of `folder` for `target`; `PipelineError` naming it when the
+    largest compile any worker allows (`largest_bytes`, None: unbounded) is smaller."""
+    needed = compile_memory_bytes(folder, target)
+    if largest_bytes is not None and needed > largest_bytes:
+        gib = 1 << 30
+        raise PipelineError(
+            f"compiling this {folder.kind} pipeline for {target} needs about "
+            f"{needed / gib:.1f} GiB ({folder.weights_bytes() / gib:.2f} GiB of weights); the "
+            f"largest compile this farm allows is {largest_bytes / gib:.1f} GiB "
+            "(FARM_COMPILE_MEMORY_BYTES): add a worker with more memory"
+        )
+    return needed
+
+
 def bundle_key(
     kind: str,
     files: Mapping[str, str],

@@ -10,6 +10,7 @@ from farm.core.errors import PipelineError
 from farm.core.pipelines import (
     GenAIOptions,
     bundle_key,
+    check_memory,
     compile_memory_bytes,
     context_length,
     detect,
@@ -160,6 +161,16 @@ def test_option_refusals_name_the_option() -> None:
         GenAIOptions.create("llm", NPU, max_prompt_len=500, context_length=512)
 
 
+def test_memory_refusal_names_the_figure(tmp_path: Path) -> None:
+    folder = detect(_llm(tmp_path / "llm"))
+    (folder.root / "openvino_model.bin").write_bytes(bytes(1 << 20))
+    needed = (512 << 20) + 9 * (1 << 20)
+    assert check_memory(folder, NPU, None) == needed
+    assert check_memory(folder, NPU, needed) == needed
+    with pytest.raises(PipelineError, match=r"needs about 0\.5 GiB .* allows is 0\.5 GiB"):
+        check_memory(folder, NPU, needed - 1)
+
+
 def test_context_length_and_memory_estimate(tmp_path: Path) -> None:
     folder = detect(_llm(tmp_path / "llm"))
     assert context_length(folder) == 512
@@ -227,3 +238,16 @@ def test_golden_bundle_and_part_keys() -> None:
     assert bundle_key("llm", FILES, NPU, longer, npu_tools) != bundle_key(
         "llm", FILES, NPU, npu, npu_tools
     )
+
+
+def test_genai_of_another_release_than_openvino_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import farm.genai
+    from farm.core.errors import Incompatible
+
+    mixed = {"openvino": "2026.4.1", "openvino_genai": "2026.3.0.0", "openvino_tokenizers": None}
+    monkeypatch.setattr(farm.genai, "versions", lambda: mixed)
+    with pytest.raises(Incompatible, match=r"openvino-genai 2026\.3\.0\.0 is not of OpenVINO"):
+        farm.genai.toolchain(NPU)
+    assert farm.genai.release_of("2026.4.1.0") == "2026.4.1"

@@ -23,7 +23,7 @@ from farm.core.errors import KeyFileError, NotFound, NotInstalled
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.keyprefix import CANDIDATES_SHOWN
-from farm.core.pipelines import GenAIOptions, PipelineFolder
+from farm.core.pipelines import GenAIOptions, PipelineFolder, check_memory
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, pagination, tokens
@@ -139,6 +139,7 @@ class Direct:
             )
         from farm.server.bundles import service as bundles  # GenAI: only for a pipeline
 
+        check_memory(folder, options.target, self.farm.settings.resolved_compile_memory_bytes)
         signer = self.farm.signer
         if signer is None:
             raise KeyFileError("the embedded farm has no signing key to sign the bundle with")
