@@ -296,3 +296,21 @@ def test_cli_submit_pull_verify_a_pipeline_folder(tiny_llm: Path, tmp_path: Path
     refused = _farm(home, "submit", str(tiny_llm), "--device", "4000", "--max-prompt-len", "4096")
     assert refused.returncode == 2
     assert "--max-prompt-len 4096 + --min-response-len 128" in refused.stderr
+
+
+def test_the_sandboxed_child_compiles_and_reports_the_missing_npu_compiler(
+    tiny_llm: Path, signer: Signer, tmp_path: Path
+) -> None:
+    from farm.server.bundles.service import sandboxed
+    from farm.server.jobs.runner import RunLimits
+
+    pipeline = detect(tiny_llm)
+    store = LocalStore(tmp_path / "store")
+    compile_in_child = sandboxed(RunLimits(max_run_seconds=600))
+    npu = options_for(pipeline, Target.parse("4000"), max_prompt_len=64, min_response_len=64)
+    with pytest.raises(CompilerUnavailable, match=r"libopenvino_intel_npu_compiler_loader\.so"):
+        build_bundle(store, signer, pipeline, npu, compile_in_child)
+    assert not list((tmp_path / "store").rglob("*.json"))  # nothing published
+    signed = build_bundle(store, signer, pipeline, options_for(pipeline, CPU), compile_in_child)
+    entries = [f for f in signed["manifest"]["files"] if f["path"].startswith(CACHE_FOLDER)]
+    assert len(entries) == 1 and len(signed["manifest"]["reference"]["tokens"]) == 16

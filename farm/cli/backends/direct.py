@@ -143,7 +143,8 @@ class Direct:
         signer = self.farm.signer
         if signer is None:
             raise KeyFileError("the embedded farm has no signing key to sign the bundle with")
-        return bundles.build_bundle(self.farm.store, signer, folder, options)
+        compile = bundles.sandboxed(self.farm.run_limits)
+        return bundles.build_bundle(self.farm.store, signer, folder, options, compile)
 
     def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
         from farm.server.bundles.storage import require

@@ -8,13 +8,14 @@ target runs on this host. Facts: docs/openvino.md, "GenAI pipelines".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER
-from farm.core.errors import CompileError, PipelineError
-from farm.core.pipelines import GenAIOptions, PipelineFolder
+from farm.core.errors import CompileError, CompilerUnavailable, PipelineError
+from farm.core.pipelines import GenAIOptions, PipelineFolder, detect
 from farm.core.spec import Target
 from farm.genai import open_pipeline, reference_run
 from farm.toolchain import classify_failure
@@ -81,3 +82,30 @@ def compile_pipeline(folder: PipelineFolder, options: GenAIOptions, work: Path) 
             "compiled file: nothing to ship"
         )
     return CompiledPipeline(outputs=outputs, reference=reference)
+
+
+def preload() -> None:
+    """Import GenAI in the child before it switches user (its libraries are the worker's)."""
+    import openvino_genai  # noqa: F401
+
+
+def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The sandboxed child's side (`farm.server.jobs.sandbox.pipeline_in_child`): compile the
+    staged folder; the outputs by their bundle path -> path relative to the box."""
+    box = Path(str(request["out_dir"]))
+    try:
+        folder = detect(box / "pipeline", str(request["kind"]))
+        options = GenAIOptions(
+            kind=folder.kind,
+            target=Target.parse(str(request["target"])),
+            values=dict(request["options"]),
+        )
+        compiled = compile_pipeline(folder, options, box / "work")
+    except (CompileError, PipelineError, CompilerUnavailable) as error:
+        return {"error": error.code, "message": str(error)}
+    return {
+        "outputs": {
+            name: path.relative_to(box).as_posix() for name, path in compiled.outputs.items()
+        },
+        "reference": compiled.reference,
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from farm.core.pipelines import (
 from farm.core.signing import Signer
 from farm.core.spec import Target
 from farm.genai import toolchain
-from farm.server.bundles.compile import compile_pipeline
+from farm.server.bundles.compile import CompiledPipeline, compile_pipeline
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
+from farm.server.jobs.runner import RunLimits
+from farm.server.jobs.sandbox import pipeline_in_child
 from farm.server.storage import BlobStore
 
 
@@ -43,8 +46,45 @@ def options_for(folder: PipelineFolder, target: Target, **flags: Any) -> GenAIOp
     return GenAIOptions.create(folder.kind, target, context_length=context_length(folder), **flags)
 
 
+Compile = Callable[[PipelineFolder, GenAIOptions, Path, str], CompiledPipeline]
+"""Compiles a folder into a work folder for a bundle key: in this process (tests, benchmarks),
+or in the sandboxed child with the farm's limits (`sandboxed`)."""
+
+
+def in_process(
+    folder: PipelineFolder, options: GenAIOptions, work: Path, key: str
+) -> CompiledPipeline:
+    return compile_pipeline(folder, options, work)
+
+
+def sandboxed(limits: RunLimits) -> Compile:
+    """Compile in a child with the compile's limits (time, memory, user, environment)."""
+
+    def run(
+        folder: PipelineFolder, options: GenAIOptions, work: Path, key: str
+    ) -> CompiledPipeline:
+        done = pipeline_in_child(
+            folder.files,
+            folder.kind,
+            options.target.name,
+            options.canonical(),
+            work / "out",
+            key,
+            timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
+            compile_user=limits.compile_user,
+        )
+        return CompiledPipeline(outputs=done.outputs, reference=done.reference)
+
+    return run
+
+
 def build_bundle(
-    store: BlobStore, signer: Signer, folder: PipelineFolder, options: GenAIOptions
+    store: BlobStore,
+    signer: Signer,
+    folder: PipelineFolder,
+    options: GenAIOptions,
+    compile: Compile = in_process,
 ) -> dict[str, Any]:
     """Compile `folder`, upload what the edge needs and the signed manifest; the signed
     manifest. An existing bundle is returned as it is (compiled once)."""
@@ -56,7 +96,7 @@ def build_bundle(
     if existing is not None:
         return existing
     with tempfile.TemporaryDirectory(prefix="farm-bundle-") as scratch:
-        compiled = compile_pipeline(folder, options, Path(scratch))
+        compiled = compile(folder, options, Path(scratch), key)
         entries = [
             BundleFile(path, files[path], folder.files[path].stat().st_size)
             for path in sorted(files)
