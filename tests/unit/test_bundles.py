@@ -183,3 +183,27 @@ def test_an_altered_or_missing_file_refuses_the_bundle_whole(
     with pytest.raises(NotFound, match="not in the farm's store"):
         pull(FolderSource(store), KEY, ready, trusted)
     assert not ready.exists()
+
+
+def test_the_edge_module_loads_no_genai_and_no_framework() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, farm.edge.bundle, farm.core.pipelines, farm.core.bundles;"
+        "print([m for m in ('openvino_genai', 'torch', 'transformers', 'optimum')"
+        " if m in sys.modules])"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_the_api_backend_says_bundles_are_not_served_yet() -> None:
+    from farm.cli.backends.http import Http
+    from farm.core.errors import NotInstalled
+
+    http = Http.__new__(Http)
+    with pytest.raises(NotInstalled, match="does not serve pipeline bundles in this version"):
+        http.bundle_manifest(KEY)
