@@ -12,7 +12,15 @@ from farm.cli.backends import Backend
 from farm.cli.common import backend, emit, progress_bar, say, size_text
 from farm.core.config import get_settings
 from farm.core.errors import SpecError
-from farm.core.pipelines import KINDS, GenAIOptions, PipelineFolder, context_length, detect
+from farm.core.pipelines import (
+    KINDS,
+    GenAIOptions,
+    PipelineFolder,
+    context_length,
+    detect,
+    hf_pipeline,
+    is_huggingface_folder,
+)
 from farm.core.spec import Target
 
 PIPELINE_FLAGS = (
@@ -67,7 +75,10 @@ def folder_and_options(
     devices = [d for d in str(options.get("device") or "").split(",") if d.strip()]
     if len(devices) != 1:
         raise SpecError("a pipeline folder takes one --device (CPU or an NPU platform)")
-    pipeline = detect(folder, options.get("pipeline"))
+    if is_huggingface_folder(folder):
+        pipeline = hf_pipeline(folder, options.get("pipeline"))
+    else:
+        pipeline = detect(folder, options.get("pipeline"))
     genai = GenAIOptions.create(
         pipeline.kind,
         Target.parse(devices[0]),
@@ -109,7 +120,7 @@ def pull_folder(
 ) -> None:
     """`farm pull ./folder --device ... -o DIR`: the key computed here, offline, from the
     folder and this host's releases; the bundle verified file by file into DIR."""
-    from farm.core.pipelines import bundle_key, identity
+    from farm.core.pipelines import folder_key
     from farm.core.signing import TrustedKeys, public_key_path
     from farm.edge.bundle import pull
     from farm.genai import toolchain
@@ -117,13 +128,7 @@ def pull_folder(
     if output is None:
         raise SpecError("farm pull <folder> needs -o DIR: the ready folder to write")
     pipeline, genai = folder_and_options(folder, options)
-    key = bundle_key(
-        pipeline.kind,
-        identity(pipeline),
-        genai.target,
-        genai.canonical(),
-        toolchain(genai.target),
-    )
+    key = folder_key(pipeline, genai, toolchain(genai.target))
     farm = backend()
     settings = get_settings()
     own = public_key_path(settings.embedded_signing_key)

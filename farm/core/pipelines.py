@@ -96,11 +96,28 @@ class PipelineFolder:
     parts: dict[str, str]
     """Sub-model name -> its IR's path relative to the folder (its .bin beside it)."""
     files: dict[str, Path]
-    """Every file the pipeline reads, by path relative to the folder (POSIX separators)."""
+    """Every file the pipeline reads, by path relative to the folder (POSIX separators); for a
+    Hugging Face folder, every file of it (what the conversion reads)."""
+    convert_task: str | None = None
+    """A Hugging Face folder's optimum task: the worker exports it to a pipeline folder first
+    (`hf_pipeline`); None: already an OpenVINO pipeline folder."""
 
     def weights_bytes(self) -> int:
-        """Total size of the sub-models' weights (.bin): what compile memory scales with."""
+        """Total size of the sub-models' weights: what compile memory scales with."""
+        if self.convert_task is not None:
+            return sum(
+                path.stat().st_size
+                for name, path in self.files.items()
+                if name.endswith((".safetensors", ".bin"))
+            )
         return sum(self.files[_bin_of(xml)].stat().st_size for xml in self.parts.values())
+
+    def canonical_convert(self) -> dict[str, Any] | None:
+        """What the key holds of the conversion (the exporter's versions are recorded with the
+        bundle, not keyed: docs/architecture.md §15 and §16)."""
+        if self.convert_task is None:
+            return None
+        return {"from": "huggingface", "exporter": "optimum", "task": self.convert_task}
 
 
 def detect(folder: str | Path, kind: str | None = None) -> PipelineFolder:
@@ -139,6 +156,62 @@ def detect(folder: str | Path, kind: str | None = None) -> PipelineFolder:
         and not any(piece.startswith(".") for piece in path.relative_to(root).parts)
     }
     return PipelineFolder(kind=kind, root=root, parts=parts, files=files)
+
+
+HF_PIPELINE_TASKS = {
+    "llm": "text-generation-with-past",
+    "whisper": "automatic-speech-recognition-with-past",
+}
+"""The optimum task that exports a Hugging Face folder into each kind's pipeline folder."""
+_HF_KINDS = (
+    ("WhisperForConditionalGeneration", "whisper"),
+    ("ForCausalLM", "llm"),
+    ("LMHeadModel", "llm"),
+)
+
+
+def hf_pipeline(folder: str | Path, kind: str | None = None) -> PipelineFolder:
+    """A Hugging Face folder (config.json + weights) to export into a `kind` pipeline folder on
+    the worker (`--pipeline`, or recognised from config.json's architectures)."""
+    root = Path(folder)
+    config_path = root / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise PipelineError(f"{config_path}: not a readable config.json: {error}") from None
+    if kind is None:
+        names = config.get("architectures") or [] if isinstance(config, dict) else []
+        kind = next((k for name in names for end, k in _HF_KINDS if str(name).endswith(end)), None)
+        if kind is None:
+            raise PipelineError(
+                f"{config_path}: its architectures {names} name no pipeline farm exports; "
+                f"give --pipeline {'|'.join(HF_PIPELINE_TASKS)}"
+            )
+    if kind not in HF_PIPELINE_TASKS:
+        raise PipelineError(
+            f"--pipeline {kind}: farm exports only {', '.join(HF_PIPELINE_TASKS)} pipelines "
+            "from a Hugging Face folder; export it with optimum-cli export openvino first"
+        )
+    files = {
+        path.relative_to(root).as_posix(): path
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+        and not any(piece.startswith(".") for piece in path.relative_to(root).parts)
+    }
+    if not any(name.endswith((".safetensors", ".bin")) for name in files):
+        raise PipelineError(f"{root}: a Hugging Face folder without weights (*.safetensors)")
+    if any(name.endswith(".py") for name in files) or "auto_map" in config:
+        raise PipelineError(
+            f"{root}: this Hugging Face folder has its own code, which farm does not run for "
+            "a pipeline; export it with optimum-cli export openvino yourself"
+        )
+    return PipelineFolder(
+        kind=kind, root=root, parts={}, files=files, convert_task=HF_PIPELINE_TASKS[kind]
+    )
+
+
+def is_huggingface_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and not looks_like_pipeline(path)
 
 
 def looks_like_pipeline(path: Path) -> bool:
@@ -422,6 +495,32 @@ def bundle_key(
         "toolchain": dict(toolchain),
     }
     return hashlib.sha256(canonical_json(document)).hexdigest()
+
+
+def folder_key(
+    folder: PipelineFolder,
+    options: GenAIOptions,
+    toolchain: Mapping[str, str],
+    progress: Callable[[int], None] | None = None,
+) -> str:
+    """The bundle key of `folder` compiled with `options`: `bundle_key` of its files, with the
+    conversion (a Hugging Face folder's task) among the options."""
+    return bundle_key(
+        folder.kind,
+        identity(folder, progress),
+        options.target,
+        key_options(folder, options),
+        toolchain,
+    )
+
+
+def key_options(folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
+    """The options part of the bundle key: the canonical options, plus the conversion."""
+    canonical = options.canonical()
+    convert = folder.canonical_convert()
+    if convert is not None:
+        canonical["convert"] = convert
+    return canonical
 
 
 def part_key(

@@ -314,3 +314,35 @@ def test_the_sandboxed_child_compiles_and_reports_the_missing_npu_compiler(
     signed = build_bundle(store, signer, pipeline, options_for(pipeline, CPU), compile_in_child)
     entries = [f for f in signed["manifest"]["files"] if f["path"].startswith(CACHE_FOLDER)]
     assert len(entries) == 1 and len(signed["manifest"]["reference"]["tokens"]) == 16
+
+
+def test_a_hugging_face_folder_is_exported_then_bundled(
+    tiny_llm: Path, signer: Signer, tmp_path: Path
+) -> None:
+    from farm.core.pipelines import folder_key, hf_pipeline
+    from farm.server.bundles.service import sandboxed
+    from farm.server.jobs.runner import RunLimits
+
+    hf = tiny_llm.parent / f"{tiny_llm.name}.hf"  # what tests/genai_models.py exported from
+    source = hf_pipeline(hf)
+    assert source.kind == "llm" and source.convert_task == "text-generation-with-past"
+    options = options_for(source, CPU)
+    signed = build_bundle(
+        LocalStore(tmp_path / "store"),
+        signer,
+        source,
+        options,
+        sandboxed(RunLimits(max_run_seconds=900)),
+    )
+    key = folder_key(source, options, toolchain(CPU))  # the edge's key, from the HF folder
+    assert signed["manifest"]["bundle_key"] == key
+    listed = {f["path"] for f in signed["manifest"]["files"]}
+    assert {"openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml"} <= listed
+    assert "model.safetensors" not in listed  # the export ships, not the source
+    trusted = TrustedKeys({}).with_key(signer.public_key)
+    ready = tmp_path / "ready"
+    pull(FolderSource(tmp_path / "store"), key, ready, trusted, local=hf)
+    report = verify_bundle(ready, trusted)
+    assert report["compiled_on_open"] == []
+    direct = open_pipeline("llm", tiny_llm, "CPU", {"ATTENTION_BACKEND": "SDPA"})
+    assert report["got"] == reference_run("llm", direct)

@@ -18,7 +18,9 @@ from farm.core.pipelines import (
     PipelineFolder,
     bundle_key,
     context_length,
+    folder_key,
     identity,
+    key_options,
 )
 from farm.core.signing import Signer
 from farm.core.spec import Target
@@ -32,13 +34,7 @@ from farm.server.storage import BlobStore
 
 def key_of(folder: PipelineFolder, options: GenAIOptions) -> str:
     """The bundle key of `folder` compiled with `options` by this host's releases."""
-    return bundle_key(
-        folder.kind,
-        identity(folder),
-        options.target,
-        options.canonical(),
-        toolchain(options.target),
-    )
+    return folder_key(folder, options, toolchain(options.target))
 
 
 def options_for(folder: PipelineFolder, target: Target, **flags: Any) -> GenAIOptions:
@@ -73,6 +69,7 @@ def sandboxed(limits: RunLimits) -> Compile:
             timeout_seconds=limits.max_run_seconds,
             memory_bytes=limits.memory_bytes,
             compile_user=limits.compile_user,
+            convert_task=folder.convert_task,
         )
         return CompiledPipeline(outputs=done.outputs, reference=done.reference)
 
@@ -90,22 +87,25 @@ def build_bundle(
     manifest. An existing bundle is returned as it is (compiled once)."""
     files = identity(folder)
     key = bundle_key(
-        folder.kind, files, options.target, options.canonical(), toolchain(options.target)
+        folder.kind, files, options.target, key_options(folder, options), toolchain(options.target)
     )
     existing = published(store, key)
     if existing is not None:
         return existing
     with tempfile.TemporaryDirectory(prefix="farm-bundle-") as scratch:
         compiled = compile(folder, options, Path(scratch), key)
+        # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
+        # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.
+        shipped = {} if folder.convert_task else files
         entries = [
-            BundleFile(path, files[path], folder.files[path].stat().st_size)
-            for path in sorted(files)
+            BundleFile(path, shipped[path], folder.files[path].stat().st_size)
+            for path in sorted(shipped)
         ]
         for path, output in sorted(compiled.outputs.items()):
-            if path in files:
+            if path in shipped:
                 raise PipelineError(f"{folder.root / path}: a compiled output has this name")
             entries.append(BundleFile(path, sha256_file(output), output.stat().st_size))
-        sources = {**{p: folder.files[p] for p in files}, **compiled.outputs}
+        sources = {**{p: folder.files[p] for p in shipped}, **compiled.outputs}
         for entry in entries:
             storage_key = file_storage_key(entry.sha256)
             if not store.exists(storage_key):

@@ -317,6 +317,7 @@ def pipeline_in_child(
     memory_bytes: int | None = None,
     compile_user: str | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    convert_task: str | None = None,
 ) -> PipelineRun:
     """Compile a GenAI pipeline folder (`files`: relative path -> file) in a child with the
     compile's limits (§16, `farm.server.bundles.compile.child_main`); its outputs (cache entries
@@ -329,6 +330,7 @@ def pipeline_in_child(
         {
             "task": "pipeline",
             "kind": kind,
+            "convert_task": convert_task,
             "target": target,
             "options": dict(options),
             "memory_bytes": memory_bytes,
@@ -826,7 +828,20 @@ def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int
     """The pipeline op: load GenAI as the worker's user, switch user, compile (§16)."""
     from farm.server.bundles import compile as bundle_compile
 
-    bundle_compile.preload()  # before the switch of user
+    bundle_compile.preload(bool(request.get("convert_task")))  # before the switch of user
+    try:
+        # A Hugging Face folder (no custom code: refused at submit) is exported before the
+        # switch: transformers imports dozens of modules lazily from the worker's Python, which
+        # the compile user may not read. The time and memory limits already hold.
+        exported = bundle_compile.export_in_child(request)
+    except errors.FarmError as error:
+        result.write(json.dumps({"error": error.code, "message": str(error)}))
+        result.close()
+        return 0
+    if exported is not None and request.get("run_as"):
+        uid, gid = request["run_as"]
+        for path in [exported, *exported.rglob("*")]:
+            os.chown(path, uid, gid)
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
