@@ -251,3 +251,51 @@ def test_genai_of_another_release_than_openvino_is_refused(
     with pytest.raises(Incompatible, match=r"openvino-genai 2026\.3\.0\.0 is not of OpenVINO"):
         farm.genai.toolchain(NPU)
     assert farm.genai.release_of("2026.4.1.0") == "2026.4.1"
+
+
+def _hf(root: Path, architecture: str = "LlamaForCausalLM") -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(
+        f'{{"architectures": ["{architecture}"], "max_position_embeddings": 256}}'
+    )
+    (root / "model.safetensors").write_bytes(b"weights")
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def test_a_hugging_face_folder_is_a_pipeline_to_export(tmp_path: Path) -> None:
+    from farm.core.pipelines import folder_key, hf_pipeline, is_huggingface_folder, key_options
+
+    llm = hf_pipeline(_hf(tmp_path / "llama"))
+    assert (llm.kind, llm.convert_task) == ("llm", "text-generation-with-past")
+    assert is_huggingface_folder(llm.root) and not is_huggingface_folder(_llm(tmp_path / "ov"))
+    assert sorted(llm.files) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert llm.weights_bytes() == len(b"weights")
+    whisper = hf_pipeline(_hf(tmp_path / "w", "WhisperForConditionalGeneration"))
+    assert whisper.convert_task == "automatic-speech-recognition-with-past"
+    options = GenAIOptions.create("llm", CPU)
+    assert key_options(llm, options)["convert"] == {
+        "from": "huggingface",
+        "exporter": "optimum",
+        "task": "text-generation-with-past",
+    }
+    tools = toolchain_part(TOOLS, CPU)
+    converted = folder_key(llm, options, tools)
+    assert converted != bundle_key("llm", identity(llm), CPU, options.canonical(), tools)
+
+
+def test_hugging_face_refusals_name_the_file_or_option(tmp_path: Path) -> None:
+    from farm.core.pipelines import hf_pipeline
+
+    with pytest.raises(PipelineError, match=r"name no pipeline farm exports; give --pipeline"):
+        hf_pipeline(_hf(tmp_path / "bert", "BertForMaskedLM"))
+    with pytest.raises(PipelineError, match="--pipeline text2image: farm exports only llm"):
+        hf_pipeline(_hf(tmp_path / "sd"), "text2image")
+    custom = _hf(tmp_path / "custom")
+    (custom / "modeling_custom.py").write_text("import os")
+    with pytest.raises(PipelineError, match="has its own code"):
+        hf_pipeline(custom)
+    bare = _hf(tmp_path / "bare")
+    (bare / "model.safetensors").unlink()
+    with pytest.raises(PipelineError, match="without weights"):
+        hf_pipeline(bare)
