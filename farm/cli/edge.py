@@ -70,8 +70,9 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
 @click.option(
     "--output",
     "-o",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also copy the blob here (it always lands in the local cache, FARM_CACHE_DIR).",
+    type=click.Path(path_type=Path),
+    help="Also copy the blob here (it always lands in the local cache, FARM_CACHE_DIR); for a "
+    "pipeline folder: the ready folder to write (replaced whole).",
 )
 @click.option(
     "--into-cache-dir",
@@ -121,6 +122,10 @@ def pull(
     if options.get("pipeline") or looks_like_pipeline(Path(key_or_model)):
         pull_folder(Path(key_or_model), options, output, quiet, as_json)
         return
+    if output is not None and output.is_dir():
+        raise click.BadParameter(
+            f"{output} is a folder; give the blob's file name", param_hint="-o"
+        )
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
     farm = backend()
