@@ -15,10 +15,10 @@ from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER
 from farm.core.errors import CompileError, CompilerUnavailable, ConversionError, PipelineError
-from farm.core.pipelines import GenAIOptions, PipelineFolder, detect, hf_pipeline
+from farm.core.pipelines import GenAIOptions, PipelineFolder, detect
 from farm.core.spec import Target
 from farm.genai import open_pipeline, reference_run
-from farm.toolchain import classify_failure, last_line
+from farm.toolchain import classify_failure
 
 EXPORT_FOLDER = "export"
 NPU_BLOB = "openvino_model.blob"
@@ -48,36 +48,15 @@ def export_properties(folder: PipelineFolder, options: GenAIOptions, work: Path)
     return properties
 
 
-def export_huggingface(folder: PipelineFolder, work: Path) -> PipelineFolder:
-    """Export a Hugging Face folder into a pipeline folder with optimum-intel (the model IR, and
-    the tokenizer and detokenizer IR through openvino-tokenizers), offline."""
-    from optimum.exporters.openvino import main_export
-
-    out = work / "pipeline"
-    try:
-        main_export(
-            model_name_or_path=str(folder.root),
-            output=out,
-            task=str(folder.convert_task),
-            local_files_only=True,
-            convert_tokenizer=True,
-        )
-    except Exception as error:
-        raise ConversionError(
-            f"cannot export {folder.root.name} ({folder.convert_task}) with optimum-intel: "
-            f"{last_line(error)[:2000]}"
-        ) from None
-    return detect(out, folder.kind)
-
-
 def compile_pipeline(folder: PipelineFolder, options: GenAIOptions, work: Path) -> CompiledPipeline:
-    """Compile `folder` for `options.target` into the empty folder `work` (a Hugging Face
-    folder is exported first; its pipeline folder's files are then among the outputs)."""
+    """Compile `folder` for `options.target` into the empty folder `work`. A Hugging Face
+    folder is exported first, in the sandboxed child only (`farm.server.bundles.export`)."""
     target: Target = options.target
-    shipped: dict[str, Path] = {}
     if folder.convert_task is not None:
-        folder = export_huggingface(folder, work)
-        shipped = dict(folder.files)
+        raise PipelineError(
+            f"{folder.root}: a Hugging Face folder is exported in the sandboxed child only "
+            "(farm.server.bundles.service.sandboxed)"
+        )
     properties = export_properties(folder, options, work)
     (work / CACHE_FOLDER).mkdir(parents=True, exist_ok=True)
     (work / EXPORT_FOLDER).mkdir(parents=True, exist_ok=True)
@@ -108,30 +87,12 @@ def compile_pipeline(folder: PipelineFolder, options: GenAIOptions, work: Path) 
             f"OpenVINO GenAI compiled the {folder.kind} pipeline for {target} and wrote no "
             "compiled file: nothing to ship"
         )
-    clash = sorted(shipped.keys() & outputs.keys())
-    if clash:
-        raise CompileError(f"the exported folder has files named like compiled outputs: {clash}")
-    return CompiledPipeline(outputs={**shipped, **outputs}, reference=reference)
+    return CompiledPipeline(outputs=outputs, reference=reference)
 
 
-def preload(converts: bool) -> None:
-    """Import GenAI (and optimum, to convert) in the child before it switches user."""
+def preload() -> None:
+    """Import GenAI in the child before it switches user."""
     import openvino_genai  # noqa: F401
-
-    if converts:
-        import optimum.exporters.openvino  # noqa: F401
-
-
-def export_in_child(request: Mapping[str, Any]) -> Path | None:
-    """The child's first phase, before its switch of user: export a staged Hugging Face folder
-    (`work/`, holding the pipeline folder); None when the staged folder is one already."""
-    if not request.get("convert_task"):
-        return None
-    box = Path(str(request["out_dir"]))
-    work = box / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    export_huggingface(hf_pipeline(box / "pipeline", str(request["kind"])), work)
-    return work
 
 
 def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,6 +112,12 @@ def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
         return {"error": error.code, "message": str(error)}
     outputs = dict(compiled.outputs)
     if converted:  # the exported folder ships with the compiled files
+        clash = sorted(outputs.keys() & folder.files.keys())
+        if clash:
+            return {
+                "error": CompileError.code,
+                "message": f"the exported folder has files named like compiled outputs: {clash}",
+            }
         outputs |= folder.files
     return {
         "outputs": {name: path.relative_to(box).as_posix() for name, path in outputs.items()},

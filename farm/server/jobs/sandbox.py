@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib
 import io
 import json
 import os
@@ -824,16 +825,25 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
     return 0
 
 
+PIPELINE_EXPORTER = "farm.server.bundles.export"
+"""The module that exports a Hugging Face folder into a pipeline folder (optimum-intel)."""
+
+
 def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
     """The pipeline op: load GenAI as the worker's user, switch user, compile (§16)."""
     from farm.server.bundles import compile as bundle_compile
 
-    bundle_compile.preload(bool(request.get("convert_task")))  # before the switch of user
+    bundle_compile.preload()  # before the switch of user
     try:
         # A Hugging Face folder (no custom code: refused at submit) is exported before the
         # switch: transformers imports dozens of modules lazily from the worker's Python, which
-        # the compile user may not read. The time and memory limits already hold.
-        exported = bundle_compile.export_in_child(request)
+        # the compile user may not read. The time and memory limits already hold. Loaded by
+        # name: the frameworks stay in this child (the import contracts, §13).
+        exported = None
+        if request.get("convert_task"):
+            exporter = importlib.import_module(PIPELINE_EXPORTER)
+            exporter.preload()
+            exported = exporter.export_in_child(request)
     except errors.FarmError as error:
         result.write(json.dumps({"error": error.code, "message": str(error)}))
         result.close()
