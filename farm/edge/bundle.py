@@ -199,13 +199,32 @@ def cache_state(folder: Path) -> dict[str, tuple[int, int, int]]:
     }
 
 
-def verify_bundle(ready: Path, trusted: TrustedKeys | None = None) -> dict[str, Any]:
-    """Open the ready folder's pipeline, run the fixed reference input and compare with what was
-    recorded at compile time; raise `VerificationFailed` on any difference. The report says
-    which cache entries were compiled on open (none, when the bundle is whole)."""
+def check_files(ready: Path, manifest: BundleManifest) -> None:
+    """Every listed file of a ready folder is there with its size and sha256; else
+    `IntegrityMismatch` naming the first that is not (edited or damaged after the pull)."""
+    for entry in manifest.files:
+        path = ready / entry.path
+        if not path.is_file():
+            raise IntegrityMismatch(f"{path}: listed in the bundle's manifest, missing; pull again")
+        if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
+            raise IntegrityMismatch(
+                f"{path}: not the file the bundle's signed manifest lists (size or sha256 "
+                "differ); pull the bundle again"
+            )
+
+
+def verify_bundle(
+    ready: Path, trusted: TrustedKeys | None = None, files: bool = True
+) -> dict[str, Any]:
+    """Check the ready folder's files (`files`), open its pipeline, run the fixed reference
+    input and compare with what was recorded at compile time; raise `VerificationFailed` on any
+    difference. The report says which cache entries were compiled on open (none, when the
+    bundle is whole)."""
     from farm.genai import open_pipeline, reference_run
 
     manifest = read_manifest(ready, trusted)
+    if files:
+        check_files(ready, manifest)
     if not manifest.reference:
         raise VerificationFailed(
             f"bundle {manifest.bundle_key} records no reference run (compiled for "

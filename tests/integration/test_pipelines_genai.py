@@ -233,8 +233,10 @@ def test_verify_refuses_a_bundle_whose_tokens_differ(
     data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
     weights.write_bytes(bytes(data))
     shutil.rmtree(ready / CACHE_FOLDER)
-    with pytest.raises(VerificationFailed, match="the farm recorded"):
+    with pytest.raises(IntegrityMismatch, match=r"openvino_model\.bin: not the file"):
         verify_bundle(ready)
+    with pytest.raises(VerificationFailed, match="the farm recorded"):
+        verify_bundle(ready, files=False)
 
 
 def test_whisper_bundle_encoder_loads_from_cache_decoder_recompiles(

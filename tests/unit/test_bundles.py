@@ -207,3 +207,19 @@ def test_the_api_backend_says_bundles_are_not_served_yet() -> None:
     http = Http.__new__(Http)
     with pytest.raises(NotInstalled, match="does not serve pipeline bundles in this version"):
         http.bundle_manifest(KEY)
+
+
+def test_check_files_names_a_file_edited_after_the_pull(signer: Signer, tmp_path: Path) -> None:
+    from farm.edge.bundle import check_files
+
+    store = _store(tmp_path / "store", signer)
+    ready = tmp_path / "ready"
+    manifest = pull(FolderSource(store), KEY, ready, TrustedKeys({}).with_key(signer.public_key))
+    check_files(ready, manifest)
+    (ready / "openvino_model.xml").write_bytes(b"<net>")
+    with pytest.raises(IntegrityMismatch, match=r"openvino_model\.xml: not the file"):
+        check_files(ready, manifest)
+    (ready / "cache" / "123.blob").unlink()
+    (ready / "openvino_model.xml").write_bytes(FILES["openvino_model.xml"])
+    with pytest.raises(IntegrityMismatch, match=r"123\.blob: listed .* missing"):
+        check_files(ready, manifest)
