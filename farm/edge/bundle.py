@@ -26,7 +26,14 @@ from typing import Any, BinaryIO, Protocol
 from farm.core.bundles import CACHE_FOLDER, MANIFEST_NAME, BundleFile, BundleManifest, verify
 from farm.core.errors import IntegrityMismatch, NotFound, VerificationFailed
 from farm.core.hashing import CHUNK_BYTES, sha256_file
-from farm.core.pipelines import GenAIOptions
+from farm.core.pipelines import (
+    GenAIOptions,
+    context_length,
+    detect,
+    folder_key,
+    hf_pipeline,
+    is_huggingface_folder,
+)
 from farm.core.signing import TrustedKeys
 from farm.core.spec import Target
 
@@ -153,6 +160,31 @@ def _replace_folder(staging: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, out)
+
+
+def ready_pipeline(
+    folder: Path,
+    device: str,
+    out: Path,
+    source: BundleSource,
+    trusted: TrustedKeys,
+    kind: str | None = None,
+    **flags: Any,
+) -> Any:
+    """The SDK in one call: the bundle key of `folder` (an OpenVINO pipeline folder, or a
+    Hugging Face folder the farm exported) for `device` and the GenAI `flags`
+    (`max_prompt_len=...`), computed here; the bundle pulled into `out` (files this folder has
+    are copied); the ready `openvino_genai` pipeline, nothing compiled."""
+    from farm.genai import toolchain
+
+    pipeline = hf_pipeline(folder, kind) if is_huggingface_folder(folder) else detect(folder, kind)
+    target = Target.parse(device)
+    options = GenAIOptions.create(
+        pipeline.kind, target, context_length=context_length(pipeline), **flags
+    )
+    key = folder_key(pipeline, options, toolchain(target))
+    pull(source, key, out, trusted, local=folder)
+    return open_bundle(out, trusted)
 
 
 def read_manifest(ready: Path, trusted: TrustedKeys | None = None) -> BundleManifest:

@@ -136,6 +136,20 @@ def test_llm_bundle_opens_without_compiling_and_generates_the_same_tokens(
     assert report["got"] == manifest.reference
 
 
+def test_the_sdk_returns_a_ready_pipeline_from_the_folder(
+    tiny_llm: Path, signer: Signer, tmp_path: Path
+) -> None:
+    from farm.edge.bundle import ready_pipeline
+
+    _publish(tmp_path / "store", signer, tiny_llm)
+    trusted = TrustedKeys({}).with_key(signer.public_key)
+    pipeline = ready_pipeline(
+        tiny_llm, "CPU", tmp_path / "ready", FolderSource(tmp_path / "store"), trusted
+    )
+    assert type(pipeline).__name__ == "LLMPipeline"
+    assert reference_run("llm", pipeline) == read_manifest(tmp_path / "ready").reference
+
+
 def test_a_second_build_of_the_same_bundle_compiles_nothing(
     tiny_llm: Path, signer: Signer, tmp_path: Path
 ) -> None:
