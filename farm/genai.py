@@ -3,7 +3,7 @@ kind, opening a pipeline, and the fixed reference run recorded with a bundle.
 
 `openvino_genai` is an optional import, made only inside the functions that open a pipeline:
 the worker installs it with `farm[genai]`, an edge that opens pipelines installs it itself.
-Imports core and toolchain only (docs/architecture.md §16); the facts are in docs/openvino.md.
+Imports core and toolchain only (docs/architecture.md §17); the facts are in docs/openvino.md.
 """
 
 from __future__ import annotations

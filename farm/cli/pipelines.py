@@ -1,4 +1,4 @@
-"""The pipeline parts of `farm submit` and `farm pull` (a folder instead of a model file, §16)."""
+"""The pipeline parts of `farm submit` and `farm pull` (a folder instead of a model file, §17)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The signed manifest of a pipeline bundle (docs/architecture.md §16).
+"""The signed manifest of a pipeline bundle (docs/architecture.md §17).
 
 One document lists every file an edge needs to open a compiled GenAI pipeline (compiled blobs
 or cache entries, the tokenizer and detokenizer IR, configs, weights), each with its size and

@@ -2,7 +2,7 @@
 
 Pure and edge-safe (standard library only): an edge holding the folder computes the key of the
 bundle the farm compiled for it, offline. The facts behind the rules are in docs/openvino.md
-("GenAI pipelines"); the bundle itself in docs/architecture.md §16.
+("GenAI pipelines"); the bundle itself in docs/architecture.md §17.
 
 A pipeline folder is what optimum-intel's exporter writes (`optimum-cli export openvino`): one
 or more OpenVINO IR sub-models (the *parts* compiled on a device), the tokenizer and detokenizer
@@ -114,7 +114,7 @@ class PipelineFolder:
 
     def canonical_convert(self) -> dict[str, Any] | None:
         """What the key holds of the conversion (the exporter's versions are recorded with the
-        bundle, not keyed: docs/architecture.md §15 and §16)."""
+        bundle, not keyed: docs/architecture.md §15 and §17)."""
         if self.convert_task is None:
             return None
         return {"from": "huggingface", "exporter": "optimum", "task": self.convert_task}

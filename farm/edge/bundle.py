@@ -1,4 +1,4 @@
-"""Pull a pipeline bundle into a ready folder and open it with OpenVINO GenAI (§16).
+"""Pull a pipeline bundle into a ready folder and open it with OpenVINO GenAI (§17).
 
 The edge computes the bundle's key offline from its own folder (`farm.core.pipelines`), checks
 the signed manifest, then fetches each file, hashing it as it is written: a file the edge

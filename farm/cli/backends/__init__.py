@@ -49,7 +49,7 @@ class Backend(Protocol):
         ...
 
     def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
-        """Compile a GenAI pipeline folder into a bundle (§16); its signed manifest."""
+        """Compile a GenAI pipeline folder into a bundle (§17); its signed manifest."""
         ...
 
     def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:

@@ -128,7 +128,7 @@ class Direct:
 
         return InlineDispatcher(run)
 
-    # --- pipeline bundles (§16) -----------------------------------------------------------------
+    # --- pipeline bundles (§17) -----------------------------------------------------------------
 
     def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
         if self.farm.settings.served:

@@ -1,4 +1,4 @@
-"""Export a Hugging Face folder into a GenAI pipeline folder with optimum-intel (§16).
+"""Export a Hugging Face folder into a GenAI pipeline folder with optimum-intel (§17).
 
 Imported only by the bundle's sandboxed child (`farm.server.jobs.sandbox`, by name, like the
 stage kinds of §15): torch, transformers and optimum stay out of every other process.

@@ -321,7 +321,7 @@ def pipeline_in_child(
     convert_task: str | None = None,
 ) -> PipelineRun:
     """Compile a GenAI pipeline folder (`files`: relative path -> file) in a child with the
-    compile's limits (§16, `farm.server.bundles.compile.child_main`); its outputs (cache entries
+    compile's limits (§17, `farm.server.bundles.compile.child_main`); its outputs (cache entries
     or NPU blobs, by their path in the bundle) are moved to `out_dir`."""
     with _child_in_box(
         files,
@@ -830,7 +830,7 @@ PIPELINE_EXPORTER = "farm.server.bundles.export"
 
 
 def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
-    """The pipeline op: load GenAI as the worker's user, switch user, compile (§16)."""
+    """The pipeline op: load GenAI as the worker's user, switch user, compile (§17)."""
     from farm.server.bundles import compile as bundle_compile
 
     bundle_compile.preload()  # before the switch of user
