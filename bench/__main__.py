@@ -33,6 +33,7 @@ BENCHMARKS = {
     "channels": "no-change channel sync x20 edges; a 500-edge staged rollout (issue 29)",
     "compress": "int8/int4 sizes; compress stage vs nncf.compress_weights direct (issue 27)",
     "convert": "a .pt2 converted + compiled through the farm vs directly; 2nd spec; RSS (26)",
+    "pipelines": "edge opening a pulled CPU LLM bundle vs a warm CACHE_DIR build (issue 28)",
 }
 ON_DEMAND = {
     "catalog": "the catalog at production scale: 1M blobs, 5M pulls (issue 18; hours, by name)",

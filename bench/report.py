@@ -26,6 +26,7 @@ ORDER = [
     "verify",
     "channels",
     "compress",
+    "pipelines",
 ]
 
 

@@ -31,10 +31,12 @@ from farm.cli.common import (
 )
 from farm.cli.compression import compression_request
 from farm.cli.jobs import source_options, source_ref, specs_from_options
+from farm.cli.pipelines import pipeline_options, pull_folder
 from farm.core import compression, keyprefix
 from farm.core.config import get_settings
 from farm.core.errors import IntegrityMismatch, NotFound
 from farm.core.identity import key_for
+from farm.core.pipelines import looks_like_pipeline
 from farm.core.spec import SpecError, Target
 
 EXIT_SWITCH_FAILED = EXIT_JOB_FAILED
@@ -75,11 +77,13 @@ def key_of(key_or_model: str, options: dict[str, Any], farm: Backend) -> tuple[s
 @click.argument("key_or_model")
 @spec_options(device_required=False)
 @source_options
+@pipeline_options
 @click.option(
     "--output",
     "-o",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also copy the blob here (it always lands in the local cache, FARM_CACHE_DIR).",
+    type=click.Path(path_type=Path),
+    help="Also copy the blob here (it always lands in the local cache, FARM_CACHE_DIR); for a "
+    "pipeline folder: the ready folder to write (replaced whole).",
 )
 @click.option(
     "--into-cache-dir",
@@ -135,10 +139,18 @@ def pull(
     """Fetch a blob by CACHE_KEY, or by MODEL + spec flags (the key this machine computes):
     compatibility checked first, download resumed and sha256-verified, kept in the cache.
     With --ir DIR and a source MODEL (.pt2, .tflite, a Hugging Face folder, ...): the IR the
-    farm converted it to, for compiling on the device yourself."""
+    farm converted it to, for compiling on the device yourself. KEY_OR_MODEL may be a GenAI
+    pipeline folder: its bundle is written to -o DIR, ready to open."""
     if ir_dir is not None:
         _pull_ir(Path(key_or_model), ir_dir, options, as_json)
         return
+    if options.get("pipeline") or looks_like_pipeline(Path(key_or_model)):
+        pull_folder(Path(key_or_model), options, output, quiet, as_json)
+        return
+    if output is not None and output.is_dir():
+        raise click.BadParameter(
+            f"{output} is a folder; give the blob's file name", param_hint="-o"
+        )
     if options["device"] is None:
         keyprefix.normalize(key_or_model)  # a bad key fails before any farm is opened
     farm = backend()

@@ -42,11 +42,13 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.compression import CompressionRequest, compression_options, compression_request
+from farm.cli.pipelines import pipeline_options, submit_folder
 from farm.core import keyprefix, sources, stages
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.errors import CompilerUnavailable, NotFound, WaitTimeout
 from farm.core.identity import ModelRef
+from farm.core.pipelines import looks_like_pipeline
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import converters_text, printable, toolchains_text
 from farm.core.vocabulary import EMBEDDED_QUEUE, FINAL_STATES, JOB_STATES, JobState
@@ -134,6 +136,7 @@ def _split(value: str | None) -> list[str]:
 @click.argument("model", type=click.Path(path_type=Path))
 @spec_options(device_required=True)
 @source_options
+@pipeline_options
 @click.option("--wait/--no-wait", default=False, help="Follow queued jobs to their end.")
 @click.option(
     "--wait-timeout",
@@ -186,7 +189,12 @@ def submit(
 
     Embedded (nothing configured): compiles here, now. Served: queues jobs for workers, through
     the API when FARM_API_URL is set. A blob that already exists is a hit: nothing is uploaded.
+    MODEL may be a GenAI pipeline folder (LLM, VLM, Whisper, text-to-image): it compiles into
+    one signed bundle (`farm pull FOLDER --device ... -o DIR` fetches it).
     """
+    if options.get("pipeline") or looks_like_pipeline(model):
+        submit_folder(model, options, as_json)
+        return
     # OpenVINO loads only here: the listing commands start without it.
     from farm import prepare, toolchain
 

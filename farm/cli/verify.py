@@ -25,9 +25,30 @@ from farm.cli.common import (
 )
 from farm.cli.edge import edge_agent, key_of
 from farm.cli.jobs import source_options
+from farm.core.bundles import MANIFEST_NAME
+from farm.core.config import get_settings
 
 _KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
 """A cache key, or a prefix of one (`farm.core.keyprefix`): then --device is where to run."""
+
+
+def verify_ready_folder(ready: Path, as_json: bool) -> None:
+    from farm.core.signing import TrustedKeys, public_key_path
+    from farm.edge.bundle import verify_bundle  # GenAI: only when used
+
+    settings = get_settings()
+    own = public_key_path(settings.embedded_signing_key)
+    keys = [*settings.trusted_key_paths, *([own] if own.exists() else [])]
+    report = verify_bundle(ready, TrustedKeys.from_files(keys))
+
+    def human() -> None:
+        compiled = report["compiled_on_open"]
+        say(
+            f"bundle {report['bundle_key']}: same output as recorded at compile time; "
+            + (f"compiled on open: {', '.join(compiled)}" if compiled else "nothing compiled")
+        )
+
+    emit(report, as_json, human)
 
 
 @main.command()
@@ -77,7 +98,12 @@ def verify(
     Exit 0 within tolerance; 9 when outside it (the only outcome that counts against the
     blob); 4 when the verification could not judge it (OpenVINO would not import it here: out
     of memory, a missing device library; the reference inputs do not fit; reported, never
-    counted against it), or this machine has no device of the blob's class (nothing reported)."""
+    counted against it), or this machine has no device of the blob's class (nothing reported).
+    KEY_OR_MODEL may be a ready pipeline folder (`farm pull FOLDER -o DIR`): its pipeline runs a
+    fixed input with greedy decoding and must give the tokens recorded at compile time."""
+    if (Path(key_or_model) / MANIFEST_NAME).is_file():
+        verify_ready_folder(Path(key_or_model), as_json)
+        return
     from farm.edge.verify import verify_blob  # OpenVINO: only when used
 
     run_on = None

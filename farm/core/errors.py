@@ -92,6 +92,13 @@ class CompileError(FarmError):
     """What the compiler printed before it failed, when it ran in a child (the sandbox)."""
 
 
+class PipelineError(FarmError, ValueError):
+    """A GenAI pipeline folder or pipeline option that cannot be compiled as asked: the
+    message names the file or the option to fix."""
+
+    kind, code = Kind.BAD_INPUT, "invalid_pipeline"
+
+
 class ModelError(CompileError):
     """The model files cannot be read, or the spec does not fit the model."""
 

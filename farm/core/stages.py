@@ -71,6 +71,8 @@ class Converter:
 CONVERTERS: dict[str, Converter] = {
     "torch": Converter("torch", ("torch",), "convert"),
     "optimum": Converter("optimum", ("optimum-intel", "transformers", "torch"), "convert"),
+    # GenAI pipeline bundles (§17): compiled by the releases the edge opens them with.
+    "genai": Converter("genai", ("openvino-genai", "openvino-tokenizers"), "genai"),
 }
 """Converters by name; other stage kinds add theirs (`register_converter`)."""
 

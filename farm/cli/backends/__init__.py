@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from farm.core.config import Settings
 from farm.core.identity import ModelRef
+from farm.core.pipelines import GenAIOptions, PipelineFolder
 from farm.core.spec import CompileSpec, Toolchain
 
 Advance = Callable[[int], None]
@@ -49,6 +50,18 @@ class Backend(Protocol):
         an .npz the new jobs compute their reference outputs from. `extra_files`: files a
         stage reads besides the model (calibration samples), by sha256, stored like model
         files. `max_drift`: the bound the new jobs' compressed model must meet (§15)."""
+        ...
+
+    def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
+        """Compile a GenAI pipeline folder into a bundle (§17); its signed manifest."""
+        ...
+
+    def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
+        """The signed manifest of a published bundle (`NotFound` if there is none)."""
+        ...
+
+    def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
+        """A bundle file's bytes from `offset` on."""
         ...
 
     def job(self, job_id: int) -> dict[str, Any]: ...

@@ -14,16 +14,17 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.channels import Entry
 from farm.core.checks import Check
 from farm.core.config import Settings
-from farm.core.errors import KeyFileError, NotFound
+from farm.core.errors import KeyFileError, NotFound, NotInstalled
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelRef
 from farm.core.keyprefix import CANDIDATES_SHOWN
+from farm.core.pipelines import GenAIOptions, PipelineFolder, check_memory
 from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
 from farm.server import doctor, pagination, tokens
@@ -143,6 +144,36 @@ class Direct:
                 self.farm.run(job_id)
 
         return InlineDispatcher(run)
+
+    # --- pipeline bundles (§17) -----------------------------------------------------------------
+
+    def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
+        if self.farm.settings.served:
+            raise NotInstalled(
+                "pipeline bundles are compiled by the embedded farm in this version: workers do "
+                "not take pipeline jobs yet; run farm submit <folder> on a host with "
+                "farm[genai] and no FARM_DATABASE_URL"
+            )
+        from farm.server.bundles import service as bundles  # GenAI: only for a pipeline
+
+        check_memory(folder, options.target, self.farm.settings.resolved_compile_memory_bytes)
+        signer = self.farm.signer
+        if signer is None:
+            raise KeyFileError("the embedded farm has no signing key to sign the bundle with")
+        compile = bundles.sandboxed(self.farm.run_limits)
+        return bundles.build_bundle(self.farm.store, signer, folder, options, compile)
+
+    def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
+        from farm.server.bundles.storage import require
+
+        return require(self.farm.store, bundle_key)
+
+    def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
+        from farm.server.bundles.storage import file_storage_key
+
+        stream = self.farm.store.open_read(file_storage_key(sha256))
+        stream.seek(offset)
+        return stream
 
     def job(self, job_id: int) -> dict[str, Any]:
         with self._session() as session:

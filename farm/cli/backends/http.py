@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, NoReturn
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.client import FarmClient
 from farm.core.config import Settings
-from farm.core.errors import ApiError
+from farm.core.errors import ApiError, NotInstalled
 from farm.core.identity import ModelRef
+from farm.core.pipelines import GenAIOptions, PipelineFolder
 from farm.core.spec import CompileSpec, Toolchain
 
 
@@ -44,6 +45,15 @@ class Http:
             extra_files=extra_files,
             max_drift=max_drift,
         )
+
+    def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
+        _no_bundles_over_http()
+
+    def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
+        _no_bundles_over_http()
+
+    def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
+        _no_bundles_over_http()
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)
@@ -159,3 +169,10 @@ class Http:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _no_bundles_over_http() -> NoReturn:
+    raise NotInstalled(
+        "the farm API does not serve pipeline bundles in this version; unset FARM_API_URL and "
+        "run farm submit/pull <folder> with the embedded farm"
+    )

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib
 import io
 import json
 import logging
@@ -66,6 +67,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from farm.core import errors
+from farm.core.bundles import safe_path
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
@@ -334,6 +336,74 @@ def stage_in_child(
 
 
 @dataclass(frozen=True)
+class PipelineRun:
+    """What a pipeline's child compiled (taken out of the box) and its reference run."""
+
+    outputs: dict[str, Path]
+    reference: dict
+    output: str
+
+
+def pipeline_in_child(
+    files: Mapping[str, Path],
+    kind: str,
+    target: str,
+    options: Mapping[str, object],
+    out_dir: Path,
+    bundle_key: str,
+    *,
+    timeout_seconds: float,
+    memory_bytes: int | None = None,
+    compile_user: str | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    convert_task: str | None = None,
+) -> PipelineRun:
+    """Compile a GenAI pipeline folder (`files`: relative path -> file) in a child with the
+    compile's limits (§17, `farm.server.bundles.compile.child_main`); its outputs (cache entries
+    or NPU blobs, by their path in the bundle) are moved to `out_dir`."""
+    with _child_in_box(
+        files,
+        out_dir,
+        f"{bundle_key}.pipeline",
+        compile_identity(compile_user),
+        {
+            "task": "pipeline",
+            "kind": kind,
+            "convert_task": convert_task,
+            "target": target,
+            "options": dict(options),
+            "memory_bytes": memory_bytes,
+        },
+        timeout_seconds,
+        should_stop,
+        names={relative: f"pipeline/{relative}" for relative in files},
+    ) as run:
+        output = _tail(run.log_path)
+        if run.timed_out:
+            raise _with_output(
+                CompileTimeout(
+                    f"the {kind} pipeline ran longer than its time limit of "
+                    f"{timeout_seconds:.0f} s (FARM_MAX_RUN_SECONDS)"
+                ),
+                output,
+            )
+        result = _read_result(run.result_path)
+        if result is None:
+            raise _with_output(_death(run.returncode, output, memory_bytes, None), output)
+        if "error" in result:
+            error_class = _CHILD_ERRORS.get(result["error"], errors.CompileError)
+            raise _with_output(error_class(result["message"]), output)
+        outputs = {}
+        for name, relative in result["outputs"].items():
+            if not safe_path(name):  # the child's word: a plain relative path only
+                raise errors.CompileError(f"the pipeline's child named an output {name!r}")
+            dest = out_dir / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            outputs[name] = _take_blob(_in_box(run.box, relative, name), dest)
+    return PipelineRun(outputs, dict(result.get("reference") or {}), output)
+
+
+@dataclass(frozen=True)
 class _ChildRun:
     box: Path
     log_path: Path
@@ -504,6 +574,7 @@ _CHILD_ERRORS: dict[str, type[errors.FarmError]] = {
     errors.ConversionError.code: errors.ConversionError,
     errors.ConverterUnavailable.code: errors.ConverterUnavailable,
     errors.CompilerUnavailable.code: errors.CompilerUnavailable,
+    errors.PipelineError.code: errors.PipelineError,
     errors.ModelError.code: errors.ModelError,
     errors.SandboxUnavailable.code: errors.SandboxUnavailable,
 }
@@ -775,6 +846,8 @@ def _child_main(request_fd: str, result_fd: str) -> int:
     _limit_resources(memory_bytes, request.get("max_blob_bytes"))
     if request.get("task") == "stage":
         return _stage_child(request, result, parent)
+    if request.get("task") == "pipeline":
+        return _pipeline_child(request, result, parent)
     from farm.server.jobs import compiler
 
     spec = CompileSpec.from_canonical(request["target"], request["spec"])
@@ -828,6 +901,49 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
         }
     else:
         payload = child.run(runner, request, request.get("memory_bytes"))
+    result.write(json.dumps(payload))
+    result.close()
+    return 0
+
+
+PIPELINE_EXPORTER = "farm.server.bundles.export"
+"""The module that exports a Hugging Face folder into a pipeline folder (optimum-intel)."""
+
+
+def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
+    """The pipeline op: load GenAI as the worker's user, switch user, compile (§17)."""
+    from farm.server.bundles import compile as bundle_compile
+
+    bundle_compile.preload()  # before the switch of user
+    try:
+        # A Hugging Face folder (no custom code: refused at submit) is exported before the
+        # switch: transformers imports dozens of modules lazily from the worker's Python, which
+        # the compile user may not read. The time and memory limits already hold. Loaded by
+        # name: the frameworks stay in this child (the import contracts, §13).
+        exported = None
+        if request.get("convert_task"):
+            exporter = importlib.import_module(PIPELINE_EXPORTER)
+            exporter.preload()
+            exported = exporter.export_in_child(request)
+    except errors.FarmError as error:
+        result.write(json.dumps({"error": error.code, "message": str(error)}))
+        result.close()
+        return 0
+    if exported is not None and request.get("run_as"):
+        uid, gid = request["run_as"]
+        for path in [exported, *exported.rglob("*")]:
+            os.chown(path, uid, gid)
+    try:
+        if request.get("run_as"):
+            uid, gid = request["run_as"]
+            _become(uid, gid, parent)
+    except OSError as error:
+        payload: dict = {
+            "error": errors.SandboxUnavailable.code,
+            "message": f"cannot switch to the compile user: {error}",
+        }
+    else:
+        payload = bundle_compile.child_main(request)
     result.write(json.dumps(payload))
     result.close()
     return 0
