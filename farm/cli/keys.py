@@ -19,7 +19,6 @@ from farm.cli.common import (
 )
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
-from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
 
 
 @main.group()
@@ -38,6 +37,8 @@ def keys() -> None:
 @handle_errors
 def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
     """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
+    from farm.core.signing import Signer, create_key_pair, public_key_path  # cryptography
+
     settings = get_settings()
     path = path or settings.signing_key or settings.embedded_signing_key
     try:
@@ -62,6 +63,8 @@ def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
 @handle_errors
 def keys_show(as_json: bool) -> None:
     """This host's signing key (if any) and the keys it trusts."""
+    from farm.core.signing import Signer, TrustedKeys, public_key_path  # cryptography
+
     settings = get_settings()
     signing = settings.resolved_signing_key
     data: dict = {

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -22,7 +23,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from farm.core.config import Settings, get_settings
 from farm.core.errors import DatabaseUnavailable
 from farm.core.filecache import BlobCache
-from farm.core.signing import Signer, load_signer
 from farm.core.text import mask_url
 from farm.server.db.models import Job
 from farm.server.db.session import (
@@ -32,8 +32,11 @@ from farm.server.db.session import (
     upgrade_database,
 )
 from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
-from farm.server.jobs.runner import RunLimits, run_job
 from farm.server.storage import BlobStore, open_store
+
+if TYPE_CHECKING:  # the runner and the signer (cryptography) load only where jobs run
+    from farm.core.signing import Signer
+    from farm.server.jobs.runner import RunLimits
 
 
 class FarmContext:
@@ -75,11 +78,15 @@ class FarmContext:
     def signer(self) -> Signer | None:
         """Signs blobs; the embedded farm creates its key on first use, a served one must be
         given its key (`FARM_SIGNING_KEY`, `farm keys create`)."""
+        from farm.core.signing import load_signer
+
         settings = self.settings
         return load_signer(settings.resolved_signing_key, create=not settings.served)
 
     @cached_property
     def run_limits(self) -> RunLimits:
+        from farm.server.jobs.runner import RunLimits
+
         settings = self.settings
         return RunLimits(
             settings.lease_seconds,
@@ -103,6 +110,8 @@ class FarmContext:
 
     def run(self, job_id: int) -> Job | None:
         """Run job `job_id` here: claim, compile in a child, store, record."""
+        from farm.server.jobs.runner import run_job
+
         return run_job(
             self.sessions,
             self.store,
