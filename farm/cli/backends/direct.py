@@ -43,7 +43,7 @@ from farm.server.views import (
 
 # What only some commands use (the doctor, gc, reconcile, resign, signing keys, tokens,
 # verifications) is imported inside them: the read commands (`farm jobs`, `farm blobs`,
-# `farm status`) load only what they need (bench/startup.py; tests/unit/test_cli_startup.py keeps it so).
+# `farm status`) load only what they need (bench/startup.py; tests/unit/test_cli_startup.py).
 if TYPE_CHECKING:
     from farm.core.checks import Check
     from farm.core.identity import ModelRef

@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from farm.core.errors import ApiError, TokenExpired
 from farm.server.context import FarmContext
 from farm.server.jobs.dispatch import Dispatcher
-from farm.server.tokens import Caller, authenticate
+from farm.server.tokens import Caller, authenticate, recently_authenticated
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -33,11 +33,15 @@ def caller_with(role: str) -> Callable[..., Caller]:
     ) -> Caller:
         if credentials is None:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer …)")
-        with farm_of(request).session() as session:
-            try:
-                caller = authenticate(session, credentials.credentials)
-            except TokenExpired as error:
-                raise ApiError(401, "token_expired", str(error)) from None
+        farm = farm_of(request)
+        token = credentials.credentials
+        caller = recently_authenticated(token, farm.settings.token_cache_seconds)
+        if caller is None:
+            with farm.session() as session:
+                try:
+                    caller = authenticate(session, token)
+                except TokenExpired as error:
+                    raise ApiError(401, "token_expired", str(error)) from None
         if caller is None:
             raise ApiError(401, "unauthorized", "invalid or revoked token")
         if not caller.may(role):
