@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy.orm import configure_mappers
 
 from farm.core.config import Settings, get_settings
 from farm.core.logs import redact_logs
@@ -57,6 +58,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # its own, after the request that created them has been answered.
         app.state.dispatcher = app.state.farm.dispatcher(background=True)
         app.state.readiness = Readiness(app.state.farm, settings.readyz_cache_seconds)
+        # The whole-table aggregates start now, in the background: the first scrape or
+        # dashboard after a restart finds them ready (farm.server.api.cached).
+        configure_mappers()  # what the first request to use the ORM would do otherwise
+        metrics.metrics_text(app, app.state.farm).warm()
+        dashboard.summary(app, app.state.farm).warm()
         yield
         app.state.readiness.close()
         app.state.dispatcher.close()

@@ -104,10 +104,10 @@ def _object(
 def report_pull(cache_key: Sha256, body: PullIn, farm: Farm, _: PullCaller) -> dict[str, Any]:
     """An edge reports one pull: who, import seconds, ok or the error."""
     with farm.session() as session:
-        pull = service.record_pull(
+        pull_id = service.record_pull(
             session, cache_key, body.agent_id, body.ok, body.import_seconds, body.error
         )
-        return {"id": pull.id}
+    return {"id": pull_id}
 
 
 @router.post("/v1/blobs/{cache_key}/verifications", status_code=201, responses={404: {}, 409: {}})
