@@ -71,6 +71,19 @@ class FarmContext:
             yield session
 
     @cached_property
+    def _reads(self) -> sessionmaker[Session]:
+        engine = self.sessions.kw["bind"]
+        return make_session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for one read statement (an edge's resolve): in autocommit, so the database
+        gets the query alone, with no BEGIN before it nor ROLLBACK after it (two of the four
+        round trips of a resolve otherwise). Same pool, same errors as `session`."""
+        with database_errors(self.settings.resolved_database_url), self._reads() as session:
+            yield session
+
+    @cached_property
     def store(self) -> BlobStore:
         return open_store(self.settings.resolved_storage_url, self.settings)
 

@@ -1,0 +1,50 @@
+"""An edge fleet's two requests (issue 30, item 6): a resolve reads in autocommit, a pull report
+is one statement; both answer as before."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from farm.core.errors import NotFound
+from farm.server.blobs import service
+from farm.server.db.models import Pull
+from tests.unit.conftest import add_blob, add_model, key
+
+
+def test_a_read_session_is_autocommit_and_resolves_a_blob(embedded_farm):
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.read() as session:
+        assert session.connection().get_execution_options()["isolation_level"] == "AUTOCOMMIT"
+        blob = service.resolve(session, key(1))
+        assert blob is not None and blob.cache_key == key(1)
+        assert service.resolve(session, key(2)) is None
+    with embedded_farm.session() as session:  # the pool's connections keep their own level
+        assert "isolation_level" not in session.connection().get_execution_options()
+
+
+def test_a_pull_report_is_recorded_with_the_blobs_id_and_returns_its_own(embedded_farm):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    with embedded_farm.session() as session:
+        first = service.record_pull(session, key(1), "edge-1", True, 0.25)
+        second = service.record_pull(session, key(1), "edge-2", False, error="device lost")
+    assert second == first + 1
+    with embedded_farm.session() as session:
+        rows = session.execute(
+            select(
+                Pull.id, Pull.blob_id, Pull.cache_key, Pull.agent_id, Pull.ok, Pull.error
+            ).order_by(Pull.id)
+        ).all()
+        created = session.scalar(select(Pull.created_at).where(Pull.id == first))
+    assert [tuple(row) for row in rows] == [
+        (first, blob.id, key(1), "edge-1", True, None),
+        (second, blob.id, key(1), "edge-2", False, "device lost"),
+    ]
+    assert created is not None and created.tzinfo is not None
+
+
+def test_a_pull_report_of_an_unknown_key_is_not_found_and_records_nothing(embedded_farm):
+    with embedded_farm.session() as session:
+        with pytest.raises(NotFound, match=f"no blob for cache key {key(9)}"):
+            service.record_pull(session, key(9), "edge-1", True)
+        assert session.scalars(select(Pull)).all() == []
