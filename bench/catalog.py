@@ -735,6 +735,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.catalog")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--no-gc", action="store_true", help="Skip the real gc.")
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="Only the concurrent clients by API processes (a quick look; writes no result).",
+    )
     options = parser.parse_args(argv)
     from farm.server.db.session import upgrade_database
 
@@ -743,6 +748,11 @@ def main(argv: list[str]) -> int:
         upgrade_database(url, "0010")
         loaded = load(url, options.scale)
         log(f"loaded {loaded['counts']} in {loaded['timings']}")
+        if options.throughput_only:
+            upgrade_database(url)
+            for processes in SCALING:
+                api_timings(url, loaded, folder, processes=processes, single=False)
+            return 0
         key = loaded["keys"][0]
         before = plans(url, key)
         began = time.monotonic()

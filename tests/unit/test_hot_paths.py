@@ -1,12 +1,16 @@
-"""An edge fleet's two requests (issue 30, item 6): a resolve reads in autocommit, a pull report
-is one statement; both answer as before."""
+"""An edge fleet's two requests (issue 30, item 6): a resolve reads in autocommit, pull reports
+are written in batches (one statement each outside the API); all answer as before."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import pytest
 from sqlalchemy import select
 
 from farm.core.errors import NotFound
+from farm.server.api.pull_batches import PullBatches, PullReport
 from farm.server.blobs import service
 from farm.server.db.models import Pull
 from tests.unit.conftest import add_blob, add_model, key
@@ -48,3 +52,39 @@ def test_a_pull_report_of_an_unknown_key_is_not_found_and_records_nothing(embedd
         with pytest.raises(NotFound, match=f"no blob for cache key {key(9)}"):
             service.record_pull(session, key(9), "edge-1", True)
         assert session.scalars(select(Pull)).all() == []
+
+
+def test_pull_reports_sent_together_are_written_in_batches_and_each_gets_its_answer(
+    embedded_farm,
+):
+    blob = add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    other = add_blob(embedded_farm, add_model(embedded_farm, "n"), key(2))
+    transactions: list[int] = []
+
+    @contextlib.contextmanager
+    def counted_session():
+        transactions.append(1)
+        with embedded_farm.session() as session:
+            yield session
+
+    batches = PullBatches(counted_session)
+    reports = [PullReport(key(1 + n % 2), f"edge-{n}", n % 3 != 0, 0.5) for n in range(30)]
+    unknown = PullReport(key(9), "edge-x", True)
+
+    async def send_all() -> list[int | BaseException]:
+        return await asyncio.gather(
+            *(batches.record(report) for report in [*reports, unknown]), return_exceptions=True
+        )
+
+    *ids, refused = asyncio.run(send_all())
+    assert isinstance(refused, NotFound) and key(9) in str(refused)
+    assert len(set(ids)) == 30 and all(isinstance(pull_id, int) for pull_id in ids)
+    assert len(transactions) == 1  # all were waiting when the writer started: one batch
+    with embedded_farm.session() as session:
+        rows = {
+            row.id: (row.blob_id, row.agent_id, row.ok) for row in session.scalars(select(Pull))
+        }
+    assert {pull_id: rows[pull_id] for pull_id in ids} == {
+        pull_id: ((blob if n % 2 == 0 else other).id, f"edge-{n}", n % 3 != 0)
+        for n, pull_id in enumerate(ids)
+    }

@@ -177,6 +177,11 @@ class BlobOut(BaseModel):
     quarantine_reason: str | None = None
 
 
+class PullOut(BaseModel):
+    id: int
+    """The pull report's row id."""
+
+
 class PullIn(Strict):
     agent_id: Name
     ok: bool

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import and_, insert, literal, or_, select, text
+from sqlalchemy import and_, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from farm.core import hashing, keyprefix
@@ -54,17 +54,9 @@ def record_pull(
     """An edge's report of one pull: who, how long the import took, ok or why not. Returns the
     new pull's id; NotFound when no blob is stored for `cache_key`.
 
-    One statement (the row inserted from the blob's, with its id returned) and its commit: an
-    edge fleet's hot path (bench/catalog.py), with no ORM object loaded or built.
-
-    Note: on PostgreSQL the commit does not wait for its WAL to reach the disk
-    (`synchronous_commit = off`, this transaction only): a report already answered can be lost
-    if the database server itself crashes within about a second (three `wal_writer_delay`s),
-    never half-written. Pull reports are telemetry (gc's last pull, the metrics), and waiting
-    for the flush was most of a report's cost under a fleet's load.
+    One statement (the row inserted from the blob's, with its id returned) and its commit. An
+    edge fleet's pulls reach the API, which writes them in batches (farm.server.api.pull_batches).
     """
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SET LOCAL synchronous_commit = off"))
     values = {
         "blob_id": Blob.id,
         "cache_key": literal(cache_key, Pull.cache_key.type),

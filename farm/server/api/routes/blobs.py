@@ -16,7 +16,16 @@ from farm.server.api.deps import (
     known_query_only,
     link_next,
 )
-from farm.server.api.schemas import BlobOut, PullIn, QuarantineIn, Sha256, Text, VerificationIn
+from farm.server.api.pull_batches import PullBatches, PullReport
+from farm.server.api.schemas import (
+    BlobOut,
+    PullIn,
+    PullOut,
+    QuarantineIn,
+    Sha256,
+    Text,
+    VerificationIn,
+)
 from farm.server.blobs import service, verifications
 from farm.server.blobs.rebuild import delete_quarantined
 from farm.server.pagination import MAX_PAGE
@@ -46,11 +55,12 @@ def list_blobs(
         return [BlobOut(**blob_dict(b)) for b in blobs]
 
 
-@router.get("/v1/blobs/{cache_key}", responses={404: {}})
-def resolve(cache_key: Sha256, farm: Farm, _: PullCaller) -> BlobOut:
+@router.get("/v1/blobs/{cache_key}", response_model=BlobOut, responses={404: {}})
+def resolve(cache_key: Sha256, farm: Farm, _: PullCaller) -> Response:
     """Cache key → blob metadata (target, toolchain, size, sha256, created)."""
     with farm.read() as session:  # an edge fleet's hot path: one statement, autocommit
-        return BlobOut(**blob_dict(service.require(session, cache_key)))
+        blob = BlobOut(**blob_dict(service.require(session, cache_key)))
+    return _json(blob.model_dump_json())
 
 
 @router.get(
@@ -100,14 +110,26 @@ def _object(
     )
 
 
-@router.post("/v1/blobs/{cache_key}/pulls", status_code=201, responses={404: {}})
-def report_pull(cache_key: Sha256, body: PullIn, farm: Farm, _: PullCaller) -> dict[str, Any]:
-    """An edge reports one pull: who, import seconds, ok or the error."""
-    with farm.session() as session:
-        pull_id = service.record_pull(
-            session, cache_key, body.agent_id, body.ok, body.import_seconds, body.error
-        )
-    return {"id": pull_id}
+@router.post(
+    "/v1/blobs/{cache_key}/pulls",
+    status_code=201,
+    response_model=PullOut,
+    responses={404: {}},
+)
+async def report_pull(cache_key: Sha256, body: PullIn, request: Request, _: PullCaller) -> Response:
+    """An edge reports one pull: who, import seconds, ok or the error. Answered once it is
+    committed (with the other reports of its batch: farm.server.api.pull_batches)."""
+    batches: PullBatches = request.app.state.pull_batches
+    report = PullReport(cache_key, body.agent_id, body.ok, body.import_seconds, body.error)
+    return _json(f'{{"id":{await batches.record(report)}}}', 201)
+
+
+def _json(text: str, status: int = 200) -> Response:
+    """An answer already in JSON. Returned as a model or a dict, FastAPI would validate it again
+    on a thread of its pool (one more thread hop per request) before encoding it: half a
+    millisecond of a resolve on this machine, for the same bytes (`response_model` still
+    documents the shape)."""
+    return Response(text, status, media_type="application/json")
 
 
 @router.post("/v1/blobs/{cache_key}/verifications", status_code=201, responses={404: {}, 409: {}})
