@@ -1,5 +1,6 @@
-"""An edge fleet's two requests (issue 30, item 6): a resolve reads in autocommit, pull reports
-are written in batches (one statement each outside the API); all answer as before."""
+"""An edge fleet's two requests (issue 30, item 6): resolves and pull reports are answered in
+batches (a pull report is one statement outside the API), reads in autocommit; all answer as
+before."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from sqlalchemy import select
 
 from farm.core.errors import NotFound
-from farm.server.api.pull_batches import PullBatches, PullReport
+from farm.server.api.batches import PullReport, pull_batches, resolve_batches
+from farm.server.api.schemas import BlobOut
 from farm.server.blobs import service
 from farm.server.db.models import Pull
+from farm.server.views import blob_dict
 from tests.unit.conftest import add_blob, add_model, key
 
 
@@ -67,13 +70,13 @@ def test_pull_reports_sent_together_are_written_in_batches_and_each_gets_its_ans
         with embedded_farm.session() as session:
             yield session
 
-    batches = PullBatches(counted_session)
+    batches = pull_batches(counted_session)
     reports = [PullReport(key(1 + n % 2), f"edge-{n}", n % 3 != 0, 0.5) for n in range(30)]
     unknown = PullReport(key(9), "edge-x", True)
 
     async def send_all() -> list[int | BaseException]:
         return await asyncio.gather(
-            *(batches.record(report) for report in [*reports, unknown]), return_exceptions=True
+            *(batches.ask(report) for report in [*reports, unknown]), return_exceptions=True
         )
 
     *ids, refused = asyncio.run(send_all())
@@ -88,3 +91,31 @@ def test_pull_reports_sent_together_are_written_in_batches_and_each_gets_its_ans
         pull_id: ((blob if n % 2 == 0 else other).id, f"edge-{n}", n % 3 != 0)
         for n, pull_id in enumerate(ids)
     }
+
+
+def test_resolves_asked_together_are_one_query_and_each_gets_its_blob(embedded_farm):
+    add_blob(embedded_farm, add_model(embedded_farm), key(1))
+    add_blob(embedded_farm, add_model(embedded_farm, "n"), key(2))
+    transactions: list[int] = []
+
+    @contextlib.contextmanager
+    def counted_read():
+        transactions.append(1)
+        with embedded_farm.read() as session:
+            yield session
+
+    resolves = resolve_batches(counted_read)
+
+    async def ask_all() -> list[str | BaseException]:
+        asked = [key(1), key(2), key(9), key(1)]
+        return await asyncio.gather(*map(resolves.ask, asked), return_exceptions=True)
+
+    first, second, unknown, again = asyncio.run(ask_all())
+    assert transactions == [1]
+    with embedded_farm.session() as session:
+        expected = {
+            n: BlobOut(**blob_dict(service.require(session, key(n)))).model_dump_json()
+            for n in (1, 2)
+        }
+    assert (first, second, again) == (expected[1], expected[2], expected[1])
+    assert isinstance(unknown, NotFound) and key(9) in str(unknown)

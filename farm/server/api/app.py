@@ -14,10 +14,9 @@ from sqlalchemy.orm import configure_mappers
 
 from farm.core.config import Settings, get_settings
 from farm.core.logs import redact_logs
-from farm.server.api import dashboard, metrics
+from farm.server.api import batches, dashboard, metrics
 from farm.server.api.errors import install_error_handlers
 from farm.server.api.limits import BodyLimit
-from farm.server.api.pull_batches import PullBatches
 from farm.server.api.routes import ROUTERS
 from farm.server.api.schemas import Error
 from farm.server.context import FarmContext
@@ -61,7 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.readiness = Readiness(app.state.farm, settings.readyz_cache_seconds)
         # The whole-table aggregates start now, in the background: the first scrape or
         # dashboard after a restart finds them ready (farm.server.api.cached).
-        app.state.pull_batches = PullBatches(app.state.farm.session)
+        app.state.resolves = batches.resolve_batches(app.state.farm.read)
+        app.state.pulls = batches.pull_batches(app.state.farm.session)
         configure_mappers()  # what the first request to use the ORM would do otherwise
         metrics.metrics_text(app, app.state.farm).warm()
         dashboard.summary(app, app.state.farm).warm()

@@ -55,7 +55,7 @@ def record_pull(
     new pull's id; NotFound when no blob is stored for `cache_key`.
 
     One statement (the row inserted from the blob's, with its id returned) and its commit. An
-    edge fleet's pulls reach the API, which writes them in batches (farm.server.api.pull_batches).
+    edge fleet's pulls reach the API, which writes them in batches (farm.server.api.batches).
     """
     values = {
         "blob_id": Blob.id,
