@@ -1,9 +1,11 @@
 """The catalog at production scale (issue 18): load a PostgreSQL farm database with a fleet's
 history, then time every README admin query, every view, the API (as deployed: several uvicorn
-worker processes), `/dashboard`, `/metrics` and `farm gc`.
+worker processes), `/dashboard`, `/metrics` and `farm gc`, and (issue 30) the fleet's resolves
+and pull reports against `/healthz` of the same processes, with 1, 2 and 4 API processes.
 
     python -m bench.catalog                 # full scale: 1M blobs, 5M pulls (about 30 min)
     python -m bench.catalog --scale 0.05    # a small catalog while developing
+    python -m bench.catalog --scale 0.02 --throughput-only   # only the fleet's requests
 
 The loader is ours: rows are written with PostgreSQL COPY (models, jobs, blobs) and pulls are
 generated inside PostgreSQL (`generate_series`), so five million rows load in minutes. The
