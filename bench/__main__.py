@@ -27,7 +27,7 @@ BENCHMARKS = {
     "hashing": "sha256 vs hashlib on 1 GB; unchanged re-submit with the digest cache (7.3)",
     "worker_memory": "worker peak RSS during a compile vs the same compile direct (7.4)",
     "scaleout": "small-model jobs per hour with 1 and 2 worker processes (7.5)",
-    "startup": "read-only commands' start: embedded before/after, and through the API (17.15)",
+    "startup": "read commands' start vs a bare process of their path's libraries (17.15, 30.4)",
     "verify": "farm verify vs a plain import + one inference of the same blob (issue 16)",
     "submit_overhead": "embedded submit of a 512 MB IR vs direct compile + one sha256 (17.16)",
     "channels": "no-change channel sync x20 edges; a 500-edge staged rollout (issue 29)",

@@ -1,9 +1,11 @@
 """The catalog at production scale (issue 18): load a PostgreSQL farm database with a fleet's
 history, then time every README admin query, every view, the API (as deployed: several uvicorn
-worker processes), `/dashboard`, `/metrics` and `farm gc`.
+worker processes), `/dashboard`, `/metrics` and `farm gc`, and (issue 30) the fleet's resolves
+and pull reports against `/healthz` of the same processes, with 1, 2 and 4 API processes.
 
     python -m bench.catalog                 # full scale: 1M blobs, 5M pulls (about 30 min)
     python -m bench.catalog --scale 0.05    # a small catalog while developing
+    python -m bench.catalog --scale 0.02 --throughput-only   # only the fleet's requests
 
 The loader is ours: rows are written with PostgreSQL COPY (models, jobs, blobs) and pulls are
 generated inside PostgreSQL (`generate_series`), so five million rows load in minutes. The
@@ -49,6 +51,10 @@ SPECS = [("CPU", None), ("CPU", 4), ("NPU.4000", None), ("NPU.4000", 4), ("NPU.3
 API_PROCESSES = 4
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 CLIENTS = 20
+CONCURRENT = ("healthz (no database: the floor)", "resolve", "pull report")
+"""What `CLIENTS` concurrent clients are timed on: the fleet's two requests, and the floor."""
+SCALING = (1, 2, 4)
+"""API worker processes the fleet's throughput is measured with (issue 30, item 6)."""
 PLANS = {
     "gc candidates (a pull count and last pull per blob)": (
         "SELECT b.id, (SELECT count(*) FROM pulls p WHERE p.blob_id = b.id), "
@@ -523,13 +529,20 @@ def _api_workers(parent: int) -> list[int]:
 
 
 def api_timings(
-    url: str, loaded: dict[str, Any], folder: Path, nodelay: bool = False
+    url: str,
+    loaded: dict[str, Any],
+    folder: Path,
+    nodelay: bool = False,
+    processes: int = API_PROCESSES,
+    single: bool = True,
 ) -> dict[str, Any]:
     """`farm api --workers 4` as deployed; `nodelay`: the same app and protocol, launched with
-    uvicorn directly and TCP_NODELAY set on each connection (see `NoDelayProtocol`)."""
+    uvicorn directly and TCP_NODELAY set on each connection (see `NoDelayProtocol`);
+    `processes`: API worker processes; `single`: time each request alone too (else only the
+    concurrent clients of /healthz, resolve and pull reports)."""
     import httpx
 
-    port = 18018 + nodelay
+    port = 18018 + nodelay + 10 * processes
     env = child_env(
         {
             "FARM_DATABASE_URL": url,
@@ -542,10 +555,10 @@ def api_timings(
     farm = str(Path(sys.executable).parent / "farm")
     api_log = (folder / f"api{'-nodelay' if nodelay else ''}.log").open("w")
     command = [farm, "api", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--workers", str(API_PROCESSES)]
+    command += ["--workers", str(processes)]
     if nodelay:
         command = [sys.executable, "-m", "uvicorn", "farm.server.api.main:app", "--host"]
-        command += ["127.0.0.1", "--port", str(port), "--workers", str(API_PROCESSES)]
+        command += ["127.0.0.1", "--port", str(port), "--workers", str(processes)]
         command += ["--http", "bench.catalog:NoDelayProtocol", "--log-level", "warning"]
     server = subprocess.Popen(
         command,
@@ -571,7 +584,9 @@ def api_timings(
         client = httpx.Client(
             base_url=base, timeout=300, transport=httpx.HTTPTransport(socket_options=NODELAY)
         )
+        began = time.perf_counter()
         first = client.get("/v1/blobs", params={"limit": 100}, headers=submit)
+        results["first_blobs_page_ms"] = (time.perf_counter() - began) * 1000
         deep = client.get(
             "/v1/blobs",
             params={"limit": 100, "cursor": first.headers.get("X-Next-Cursor", "")},
@@ -618,7 +633,7 @@ def api_timings(
             ),
             "metrics": ("GET", "/metrics", pull, None),
         }
-        for name, (method, path, headers, body) in cases.items():
+        for name, (method, path, headers, body) in cases.items() if single else ():
             before = {pid: _hwm_kb(pid) for pid in workers}
             values, statuses = [], set()
             for _ in range(7):
@@ -639,10 +654,8 @@ def api_timings(
                 f"+{grown:.0f} MB, {sorted(statuses)}"
             )
         results["worker_rss_mb"] = {pid: _hwm_kb(pid) / 1024 for pid in workers}
-        for name in ("resolve", "pull report"):
-            results["concurrent"][name] = asyncio.run(
-                _concurrent(base, cases[name], loaded, name == "resolve")
-            )
+        for name in CONCURRENT:
+            results["concurrent"][name] = asyncio.run(_concurrent(base, cases[name], loaded))
             log(f"  {CLIENTS} clients, {name}: {results['concurrent'][name]}")
     finally:
         server.terminate()
@@ -652,11 +665,13 @@ def api_timings(
 
 
 async def _concurrent(
-    base: str, case: tuple, loaded: dict, resolve: bool, seconds: float = scaled(20.0, 1.0)
+    base: str, case: tuple, loaded: dict, seconds: float = scaled(20.0, 1.0)
 ) -> dict[str, Any]:
+    """`CLIENTS` clients, each sending the next request as soon as the last is answered, for
+    `seconds`; a blob's resolve or pull report picks a random loaded key each time."""
     import httpx
 
-    method, _, headers, body = case
+    method, fixed_path, headers, body = case
     keys = loaded["keys"]
     latencies: list[float] = []
     errors = 0
@@ -669,7 +684,9 @@ async def _concurrent(
         async with httpx.AsyncClient(base_url=base, timeout=30, transport=transport) as http:
             while time.monotonic() < stop:
                 key = rng.choice(keys)
-                path = f"/v1/blobs/{key}" if resolve else f"/v1/blobs/{key}/pulls"
+                path = fixed_path
+                if fixed_path.startswith("/v1/blobs/"):
+                    path = f"/v1/blobs/{key}" if method == "GET" else f"/v1/blobs/{key}/pulls"
                 began = time.perf_counter()
                 response = await http.request(method, path, headers=headers, json=body)
                 latencies.append((time.perf_counter() - began) * 1000)
@@ -720,6 +737,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.catalog")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--no-gc", action="store_true", help="Skip the real gc.")
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="Only the concurrent clients by API processes (a quick look; writes no result).",
+    )
     options = parser.parse_args(argv)
     from farm.server.db.session import upgrade_database
 
@@ -728,6 +750,11 @@ def main(argv: list[str]) -> int:
         upgrade_database(url, "0010")
         loaded = load(url, options.scale)
         log(f"loaded {loaded['counts']} in {loaded['timings']}")
+        if options.throughput_only:
+            upgrade_database(url)
+            for processes in SCALING:
+                api_timings(url, loaded, folder, processes=processes, single=False)
+            return 0
         key = loaded["keys"][0]
         before = plans(url, key)
         began = time.monotonic()
@@ -745,12 +772,43 @@ def main(argv: list[str]) -> int:
         sql = sql_timings(url)
         api = api_timings(url, loaded, folder)
         api_nodelay = api_timings(url, loaded, folder, nodelay=True)
+        scaling = {
+            processes: api_timings(url, loaded, folder, processes=processes, single=False)[
+                "concurrent"
+            ]
+            for processes in SCALING
+        }
+        log(f"throughput by API processes: {scaling}")
         dry = gc_run(url, folder, dry_run=True)
         log(f"gc dry run: {dry}")
         real = None if options.no_gc else gc_run(url, folder, dry_run=False)
         log(f"gc: {real}")
     single, concurrent = api["single"], api["concurrent"]
+    one = scaling[1]
+    floor = one["healthz (no database: the floor)"]["per_second"]
     targets = [
+        target(
+            "resolve / /healthz throughput, 1 API process, 20 clients",
+            one["resolve"]["per_second"] / floor,
+            0.5,
+            at_most=False,
+            unit="x",
+        ),
+        target(
+            "pull report / /healthz throughput, 1 API process, 20 clients",
+            one["pull report"]["per_second"] / floor,
+            0.4,
+            at_most=False,
+            unit="x",
+        ),
+        target(
+            "first /v1/blobs page of 100 after start",
+            api["first_blobs_page_ms"],
+            100,
+            unit="ms",
+        ),
+        target("first /dashboard after start", single["dashboard"]["first_ms"], 100, unit="ms"),
+        target("first /metrics after start", single["metrics"]["first_ms"], 300, unit="ms"),
         target("resolve p99, 20 clients", concurrent["resolve"]["p99_ms"], 100, unit="ms"),
         target("pull report p99, 20 clients", concurrent["pull report"]["p99_ms"], 100, unit="ms"),
         target(
@@ -793,6 +851,7 @@ def main(argv: list[str]) -> int:
             "sql": sql,
             "api": api,
             "api_nodelay": api_nodelay,
+            "throughput_by_api_processes": scaling,
             "gc_dry_run": dry,
             "gc": real,
             "targets": targets,

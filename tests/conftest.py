@@ -159,6 +159,7 @@ def served_environment(tmp_path: Path, postgres_url: str, redis_url: str, s3_url
         "FARM_LEASE_SECONDS": "3",
         "FARM_WORKER_HEARTBEAT_SECONDS": "1",
         "FARM_METRICS_CACHE_SECONDS": "0",  # tests read the numbers right after a change
+        "FARM_TOKEN_CACHE_SECONDS": "0",  # and revoke a token in one process, then use it
     }
 
 

@@ -28,7 +28,6 @@ from farm.core.apikey import (
 )
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
-from farm.core.signing import Signer, TrustedKeys, create_key_pair, public_key_path
 
 
 @main.group()
@@ -47,6 +46,8 @@ def keys() -> None:
 @handle_errors
 def keys_create(path: Path | None, if_missing: bool, as_json: bool) -> None:
     """Create a signing key pair: PATH (private, mode 0600) and PATH.pub (give it to edges)."""
+    from farm.core.signing import Signer, create_key_pair, public_key_path  # cryptography
+
     settings = get_settings()
     path = path or settings.signing_key or settings.embedded_signing_key
     try:
@@ -82,6 +83,8 @@ def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
     Edges need nothing new: the certificate travels with each signature. Run it where the
     signing key is; copy PATH and PATH.cert to the API. With --if-missing, an existing
     certificate for fewer purposes (blob statuses only) is replaced by one for every purpose."""
+    from farm.core.signing import Signer, create_key_pair  # cryptography
+
     settings = get_settings()
     signing = settings.resolved_signing_key
     if signing is None or not signing.exists():
@@ -130,6 +133,8 @@ def _certificate(path: Path) -> dict | None:
 @handle_errors
 def keys_show(as_json: bool) -> None:
     """This host's signing key (if any) and the keys it trusts."""
+    from farm.core.signing import Signer, TrustedKeys, public_key_path  # cryptography
+
     settings = get_settings()
     signing = settings.resolved_signing_key
     data: dict = {

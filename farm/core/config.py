@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     """Bearer token for FARM_API_URL."""
     api_requests_per_minute: int = 600
     """Requests one token may make per minute (per API process)."""
+    token_cache_seconds: float = 5.0
+    """An API process trusts a token it found valid for this long without asking the database
+    again: a token revoked elsewhere (`farm token revoke`) works here up to this much longer.
+    0: every request looks its token up."""
     max_upload_bytes: int = 64 * 2**30
     """Largest model file the API accepts."""
     max_request_bytes: int = 1 << 20

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,9 +35,10 @@ from farm.server.db.session import (
     upgrade_database,
 )
 from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
-from farm.server.jobs.model_cache import open_model_cache
-from farm.server.jobs.runner import RunLimits, run_job
 from farm.server.storage import BlobStore, open_store
+
+if TYPE_CHECKING:  # the runner loads only where jobs run
+    from farm.server.jobs.runner import RunLimits
 
 
 class FarmContext:
@@ -71,6 +73,19 @@ class FarmContext:
             yield session
 
     @cached_property
+    def _reads(self) -> sessionmaker[Session]:
+        engine = self.sessions.kw["bind"]
+        return make_session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for one read statement (an edge's resolve): in autocommit, so the database
+        gets the query alone, with no BEGIN before it nor ROLLBACK after it (two of the four
+        round trips of a resolve otherwise). Same pool, same errors as `session`."""
+        with database_errors(self.settings.resolved_database_url), self._reads() as session:
+            yield session
+
+    @cached_property
     def store(self) -> BlobStore:
         return open_store(self.settings.resolved_storage_url, self.settings)
 
@@ -99,6 +114,8 @@ class FarmContext:
 
     @cached_property
     def run_limits(self) -> RunLimits:
+        from farm.server.jobs.runner import RunLimits
+
         settings = self.settings
         return RunLimits(
             settings.lease_seconds,
@@ -120,10 +137,14 @@ class FarmContext:
         if not (self.settings.served and self.settings.worker_model_cache_bytes):
             return None
         root = self.settings.cache_dir / "models"
+        from farm.server.jobs.model_cache import open_model_cache
+
         return open_model_cache(root, self.settings.worker_model_cache_bytes)
 
     def run(self, job_id: int) -> Job | None:
         """Run job `job_id` here: claim, compile in a child, store, record."""
+        from farm.server.jobs.runner import run_job
+
         return run_job(
             self.sessions,
             self.store,

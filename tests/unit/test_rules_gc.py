@@ -32,8 +32,8 @@ def pull(farm, cache_key: str, days: float, ok: bool = True) -> datetime:
     """An edge's pull report, `days` ago; returns when exactly."""
     at = days_ago(days)
     with farm.session() as session:
-        row = record_pull(session, cache_key, "edge-1", ok, error=None if ok else "no")
-        session.execute(update(Pull).where(Pull.id == row.id).values(created_at=at))
+        pull_id = record_pull(session, cache_key, "edge-1", ok, error=None if ok else "no")
+        session.execute(update(Pull).where(Pull.id == pull_id).values(created_at=at))
         session.commit()
     return at
 

@@ -11,7 +11,14 @@ from sqlalchemy import select, update
 from farm.core.clock import now
 from farm.core.errors import NotFound, TokenError, TokenExpired
 from farm.server.db.models import ApiToken
-from farm.server.tokens import Caller, authenticate, create_token, revoke_token, token_digest
+from farm.server.tokens import (
+    Caller,
+    authenticate,
+    create_token,
+    recently_authenticated,
+    revoke_token,
+    token_digest,
+)
 
 
 @pytest.fixture
@@ -147,3 +154,35 @@ def test_last_use_is_written_at_most_once_a_minute(session):
     session.commit()
     authenticate(session, token)
     assert session.scalar(select(ApiToken.last_used_at)) > two_minutes_ago + timedelta(minutes=1)
+
+
+def test_a_token_found_valid_is_trusted_for_the_cache_period_only(session, monkeypatch):
+    from farm.server import tokens
+
+    token = create_token(session, "edge", "pull")
+    assert recently_authenticated(token, 5) is None  # never looked up in this process
+    assert authenticate(session, token) == Caller("edge", "pull")
+    assert recently_authenticated(token, 5) == Caller("edge", "pull")
+    assert recently_authenticated(token, 0) is None  # 0: no cache
+    assert recently_authenticated("farm_other", 5) is None
+    later = tokens.time.monotonic() + 5
+    monkeypatch.setattr(tokens.time, "monotonic", lambda: later)
+    assert recently_authenticated(token, 5) is None  # the period is over: ask the database
+
+
+def test_a_revoke_in_this_process_ends_the_cached_trust_at_once(session):
+    token = create_token(session, "edge", "pull")
+    authenticate(session, token)
+    revoke_token(session, "edge")
+    assert recently_authenticated(token, 60) is None
+    assert authenticate(session, token) is None
+
+
+def test_a_cached_token_that_expires_is_not_trusted(session, monkeypatch):
+    from farm.server import tokens
+
+    expires_at = now() + timedelta(days=1)
+    token = create_token(session, "ci", "submit", expires_at=expires_at)
+    assert authenticate(session, token) == Caller("ci", "submit", expires_at)
+    monkeypatch.setattr(tokens, "now", lambda: expires_at)
+    assert recently_authenticated(token, float("inf")) is None

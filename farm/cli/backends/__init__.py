@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
-from farm.core.config import Settings
-from farm.core.identity import ModelRef
-from farm.core.pipelines import GenAIOptions, PipelineFolder
-from farm.core.spec import CompileSpec, Toolchain
+if TYPE_CHECKING:  # types only: a command that never submits need not load them
+    from farm.core.config import Settings
+    from farm.core.identity import ModelRef
+    from farm.core.pipelines import GenAIOptions, PipelineFolder
+    from farm.core.spec import CompileSpec, Toolchain
 
 Advance = Callable[[int], None]
 """Reports bytes done to a progress bar."""

@@ -14,21 +14,17 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.channels import Entry
-from farm.core.checks import Check
 from farm.core.config import Settings
 from farm.core.errors import KeyFileError, NotFound, NotInstalled
 from farm.core.hashing import sha256_file
-from farm.core.identity import ModelRef
 from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.core.pipelines import GenAIOptions, PipelineFolder, check_memory
-from farm.core.signing import TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
-from farm.server import doctor, pagination, tokens
-from farm.server.blobs import gc, resign, verifications
+from farm.server import pagination
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
 from farm.server.blobs.signatures import signed_status
@@ -36,9 +32,7 @@ from farm.server.channels import prebuild as prebuilds
 from farm.server.channels import service as channels
 from farm.server.channels import status as channel_status
 from farm.server.context import FarmContext, database_errors
-from farm.server.db.models import ApiToken
 from farm.server.db.session import upgrade_database
-from farm.server.jobs import reconcile as reconciler
 from farm.server.jobs import service as jobs
 from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
 from farm.server.pagination import MAX_PAGE, job_cursor
@@ -54,6 +48,15 @@ from farm.server.views import (
     verification_dict,
     workers_view,
 )
+
+# What only some commands use (the doctor, gc, reconcile, resign, signing keys, tokens,
+# verifications) is imported inside them: the read commands (`farm jobs`, `farm blobs`,
+# `farm status`) load only what they need (bench/startup.py; tests/unit/test_cli_startup.py).
+if TYPE_CHECKING:
+    from farm.core.checks import Check
+    from farm.core.identity import ModelRef
+    from farm.server.blobs import gc, resign
+    from farm.server.db.models import ApiToken
 
 
 class Direct:
@@ -296,6 +299,8 @@ class Direct:
         self.farm.store.get_file(reference_storage_key(cache_key, digest), dest)
 
     def report_verification(self, cache_key: str, report: dict[str, Any]) -> dict[str, Any]:
+        from farm.server.blobs import verifications
+
         fields = dict(report)
         with self._session() as session:
             row, quarantined = verifications.record_verification(
@@ -308,16 +313,22 @@ class Direct:
             return {"id": row.id, "passed": row.passed, "quarantined": quarantined}
 
     def verifications(self, cache_key: str, limit: int = 100) -> list[dict[str, Any]]:
+        from farm.server.blobs import verifications
+
         with self._session() as session:
             rows = verifications.verifications_of(session, cache_key, limit)
             return [verification_dict(row) for row in rows]
 
     def quarantine(self, cache_key: str, reason: str) -> dict[str, Any]:
+        from farm.server.blobs import verifications
+
         with self._session() as session:
             blob = verifications.quarantine(session, cache_key, f"{reason} (by {_operator()})")
             return blob_dict(blob, compression_dict(session, blob))
 
     def release(self, cache_key: str) -> dict[str, Any]:
+        from farm.server.blobs import verifications
+
         with self._session() as session:
             released = verifications.release(session, cache_key, _operator())
             return blob_dict(released, compression_dict(session, released))
@@ -409,6 +420,8 @@ class Direct:
     def reconcile(self) -> dict[str, Any]:
         """One reconciler pass; re-sends go to the broker (served) or nowhere (embedded jobs
         run in the command that submitted them)."""
+        from farm.server.jobs import reconcile as reconciler
+
         dispatcher = self.farm.dispatcher() if self.farm.settings.served else None
         try:
             with self._session() as session:
@@ -428,6 +441,8 @@ class Direct:
     ) -> gc.GcReport:
         """`farm gc`; `on_blob` is called with each blob as gc goes (the report then keeps
         only totals: constant memory however many there are)."""
+        from farm.server.blobs import gc
+
         with self._session() as session:
             grace = self.farm.settings.model_grace_seconds
             return gc.collect(
@@ -437,6 +452,9 @@ class Direct:
     def resign_blobs(self, accept_unverified: bool) -> resign.ResignReport:
         """`farm keys resign`: every blob's manifest signed with this host's FARM_SIGNING_KEY,
         old signatures checked against FARM_TRUSTED_KEYS (farm/server/blobs/resign.py)."""
+        from farm.core.signing import TrustedKeys
+        from farm.server.blobs import resign
+
         signer = self.farm.signer
         if signer is None:
             raise KeyFileError("farm keys resign signs with the farm's key: set FARM_SIGNING_KEY")
@@ -444,15 +462,21 @@ class Direct:
         return resign.resign(self.farm.session, self.farm.store, signer, trusted, accept_unverified)
 
     def create_token(self, name: str, role: str, expires_at: datetime | None) -> str:
+        from farm.server import tokens
+
         with self._session() as session:
             return tokens.create_token(session, name, role, expires_at)
 
     def revoke_token(self, name: str) -> datetime:
+        from farm.server import tokens
+
         with self._session() as session:
             return tokens.revoke_token(session, name)
 
     def list_tokens(self) -> list[ApiToken]:
         """Every token by id, read a page at a time."""
+        from farm.server import tokens
+
         found: list[ApiToken] = []
         while True:
             with self._session() as session:
@@ -497,6 +521,8 @@ def upgrade_schema(settings: Settings) -> str | None:
 
 def farm_checks(settings: Settings) -> list[Check]:
     """`farm doctor` on the farm itself: the signing key, and each service."""
+    from farm.server import doctor
+
     return [doctor.signing_check(settings), *doctor.service_checks(settings)]
 
 

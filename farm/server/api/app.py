@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy.orm import configure_mappers
 
 from farm.core.config import Settings, get_settings
 from farm.core.logs import redact_logs
-from farm.server.api import dashboard, metrics
+from farm.server.api import batches, dashboard, metrics
 from farm.server.api.errors import install_error_handlers
 from farm.server.api.limits import BodyLimit
 from farm.server.api.routes import ROUTERS
@@ -57,6 +58,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # its own, after the request that created them has been answered.
         app.state.dispatcher = app.state.farm.dispatcher(background=True)
         app.state.readiness = Readiness(app.state.farm, settings.readyz_cache_seconds)
+        # The whole-table aggregates start now, in the background: the first scrape or
+        # dashboard after a restart finds them ready (farm.server.api.cached).
+        farm = app.state.farm
+        app.state.resolves = batches.resolve_batches(farm.read, lambda: farm.status_signer)
+        app.state.pulls = batches.pull_batches(app.state.farm.session)
+        configure_mappers()  # what the first request to use the ORM would do otherwise
+        metrics.metrics_text(app, app.state.farm).warm()
+        dashboard.summary(app, app.state.farm).warm()
         yield
         app.state.readiness.close()
         app.state.dispatcher.close()

@@ -38,6 +38,7 @@ from farm.server.api.deps import farm_of
 from farm.server.api.schemas import Text
 from farm.server.blobs import service as blob_service
 from farm.server.channels import status as channel_status
+from farm.server.context import FarmContext
 from farm.server.db.models import Blob, Job, Pull
 from farm.server.jobs import service
 from farm.server.jobs.phases import phases_of_page
@@ -198,9 +199,12 @@ def _channels(session, running: list) -> str:
 
 def _summary(request: Request) -> dict[str, Any]:
     """Jobs by state, blobs and their bytes: whole-table counts, from the process's cache."""
-    app = request.app
+    return summary(request.app, farm_of(request)).get()
+
+
+def summary(app: Any, farm: FarmContext) -> Cached[dict[str, Any]]:
+    """This process's dashboard cards, made on first use (or at start: `Cached.warm`)."""
     if getattr(app.state, "dashboard_summary", None) is None:
-        farm = farm_of(request)
 
         def count() -> dict[str, Any]:
             with farm.session() as session:
@@ -213,7 +217,7 @@ def _summary(request: Request) -> dict[str, Any]:
                 }
 
         app.state.dashboard_summary = Cached(count, farm.settings.metrics_cache_seconds)
-    return app.state.dashboard_summary.get()
+    return app.state.dashboard_summary
 
 
 def _pull_counts(session, blob_ids: list[int]) -> dict[int, tuple[int, object]]:

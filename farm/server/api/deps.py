@@ -1,18 +1,24 @@
 """What every router depends on, declared once: the farm context, the authenticated caller of
-each role, and the refusal of query parameters an endpoint does not take."""
+each role, and the refusal of query parameters an endpoint does not take.
+
+The dependencies are `async def` where they do no blocking work: FastAPI runs a plain `def`
+dependency on its thread pool, a thread hop per dependency per request, which was a good part
+of an edge's resolve (bench/catalog.py). The one that may block (a token's database lookup)
+hops only when it has to."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from farm.core.errors import ApiError, TokenExpired
 from farm.server.context import FarmContext
 from farm.server.jobs.dispatch import Dispatcher
-from farm.server.tokens import Caller, authenticate
+from farm.server.tokens import Caller, authenticate, recently_authenticated
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -21,23 +27,27 @@ def farm_of(request: Request) -> FarmContext:
     return request.app.state.farm
 
 
+async def _farm(request: Request) -> FarmContext:
+    return farm_of(request)
+
+
 def dispatcher_of(request: Request) -> Dispatcher:
     return request.app.state.dispatcher
 
 
-def caller_with(role: str) -> Callable[..., Caller]:
+def caller_with(role: str) -> Callable[..., Awaitable[Caller]]:
     """A dependency: the authenticated caller, who must hold `role` (or a higher one)."""
 
-    def dependency(
+    async def dependency(
         request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
     ) -> Caller:
         if credentials is None:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer …)")
-        with farm_of(request).session() as session:
-            try:
-                caller = authenticate(session, credentials.credentials)
-            except TokenExpired as error:
-                raise ApiError(401, "token_expired", str(error)) from None
+        farm = farm_of(request)
+        token = credentials.credentials
+        caller = recently_authenticated(token, farm.settings.token_cache_seconds)
+        if caller is None:
+            caller = await run_in_threadpool(_look_up, farm, token)
         if caller is None:
             raise ApiError(401, "unauthorized", "invalid or revoked token")
         if not caller.may(role):
@@ -55,7 +65,15 @@ def caller_with(role: str) -> Callable[..., Caller]:
     return dependency
 
 
-def known_query_only(request: Request) -> None:
+def _look_up(farm: FarmContext, token: str) -> Caller | None:
+    with farm.session() as session:
+        try:
+            return authenticate(session, token)
+        except TokenExpired as error:
+            raise ApiError(401, "token_expired", str(error)) from None
+
+
+async def known_query_only(request: Request) -> None:
     """Refuse query parameters the endpoint does not declare. FastAPI ignores them, so a typo
     (`?stat=failed`) or a filter this server lacks would silently answer as if unfiltered."""
     route = request.scope.get("route")
@@ -82,7 +100,7 @@ def _query_names(route: Any) -> set[str]:
     return names
 
 
-Farm = Annotated[FarmContext, Depends(farm_of)]
+Farm = Annotated[FarmContext, Depends(_farm)]
 """The process's farm context (settings, sessions, store, dispatcher)."""
 Dispatch = Annotated[Dispatcher, Depends(dispatcher_of)]
 """Where this process sends new jobs: the broker, or its own background thread (embedded)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -30,6 +31,7 @@ from farm.core.clock import now
 from farm.core.vocabulary import JOB_STATES, JobState
 from farm.server.api.cached import Cached
 from farm.server.api.deps import caller_with, farm_of
+from farm.server.context import FarmContext
 from farm.server.db.models import Blob, BlobDeletion, Job, Pull, Verification, Worker
 from farm.server.routing import MISSED_HEARTBEATS
 from farm.server.tokens import Caller
@@ -194,11 +196,15 @@ def registry_for(sessions: sessionmaker[Session], heartbeat_seconds: int) -> Col
 def metrics(request: Request, _: Caller = any_role) -> Response:
     """Prometheus text format. Needs a token (any role): scrape with `authorization`. The
     numbers are at most `FARM_METRICS_CACHE_SECONDS` (plus one computation) old."""
-    app = request.app
+    text = metrics_text(request.app, farm_of(request)).get()
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def metrics_text(app: Any, farm: FarmContext) -> Cached[bytes]:
+    """This process's `/metrics` text, made on first use (or at start: `Cached.warm`)."""
     if getattr(app.state, "metrics_text", None) is None:
-        farm = farm_of(request)
         registry = registry_for(farm.sessions, farm.settings.worker_heartbeat_seconds)
         app.state.metrics_text = Cached(
             lambda: generate_latest(registry), farm.settings.metrics_cache_seconds
         )
-    return Response(app.state.metrics_text.get(), media_type=CONTENT_TYPE_LATEST)
+    return app.state.metrics_text

@@ -215,6 +215,11 @@ class BlobOut(BaseModel):
     args, metrics (size_before, size_after, ratio, drift, ...), tool_versions; null: none."""
 
 
+class PullOut(BaseModel):
+    id: int
+    """The pull report's row id."""
+
+
 class PullIn(Strict):
     agent_id: Name
     ok: bool

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from farm.core import hashing, keyprefix
@@ -50,24 +50,32 @@ def record_pull(
     ok: bool,
     import_seconds: float | None = None,
     error: str | None = None,
-) -> Pull:
-    """An edge's report of one pull: who, how long the import took, ok or why not. An ok
-    pull of a quarantined blob is refused: edges refuse it, so the report is false."""
-    blob = require(session, cache_key)
+) -> int:
+    """An edge's report of one pull: who, how long the import took, ok or why not. Returns the
+    new pull's id; NotFound when no blob is stored for `cache_key`; an ok pull of a
+    quarantined blob is refused (BlobQuarantined): edges refuse it, so the report is false.
+
+    One statement (the row inserted from the blob's, with its id returned) and its commit. An
+    edge fleet's pulls reach the API, which writes them in batches (farm.server.api.batches).
+    """
+    values = {
+        "blob_id": Blob.id,
+        "cache_key": literal(cache_key, Pull.cache_key.type),
+        "agent_id": literal(agent_id, Pull.agent_id.type),
+        "import_seconds": literal(import_seconds, Pull.import_seconds.type),
+        "ok": literal(ok, Pull.ok.type),
+        "error": literal(error, Pull.error.type),
+        "created_at": literal(now(), Pull.created_at.type),
+    }
+    from_blob = select(*values.values()).where(Blob.cache_key == cache_key)
     if ok:
-        refuse_quarantined(blob)
-    pull = Pull(
-        blob_id=blob.id,
-        cache_key=cache_key,
-        agent_id=agent_id,
-        import_seconds=import_seconds,
-        ok=ok,
-        error=error,
-        created_at=now(),
-    )
-    session.add(pull)
+        from_blob = from_blob.where(Blob.quarantined_at.is_(None))
+    pull_id = session.scalar(insert(Pull).from_select(list(values), from_blob).returning(Pull.id))
+    if pull_id is None:
+        refuse_quarantined(require(session, cache_key))  # NotFound when there is no blob
+        raise AssertionError("a blob neither missing nor quarantined took no pull")
     session.commit()
-    return pull
+    return pull_id
 
 
 def list_blobs(
