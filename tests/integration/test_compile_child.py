@@ -117,10 +117,10 @@ def test_a_blob_past_its_size_limit_stops_the_compile_and_leaves_nothing(tmp_pat
             timeout_seconds=120,
             max_blob_bytes=16 * 2**20,
         )
-    assert str(raised.value) == (
-        "the compiled blob exceeded its size limit of 16777216 bytes (16 MiB; by default 4 "
-        "times the model's size plus 256 MiB): nothing was stored; set FARM_MAX_BLOB_BYTES "
-        "higher if this model's blob really is that large"
+    assert str(raised.value) == sandbox.blob_limit_message(16 * 2**20)
+    assert str(raised.value).startswith(
+        "the compiled blob exceeded its size limit of 16777216 bytes (16 MiB: "
+        "FARM_MAX_BLOB_RATIO times the model's size plus FARM_BLOB_BYTES_OVER_MODEL"
     )
     assert list((tmp_path / "out").iterdir()) == []
     assert time.monotonic() - started < 60

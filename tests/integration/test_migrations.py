@@ -28,6 +28,7 @@ TABLES = {
     "channel_moves",
     "channel_edges",
     "stage_outputs",
+    "job_phases",
 }
 
 
