@@ -19,13 +19,6 @@ from farm.cli.common import (
     json_option,
     out,
 )
-from farm.core.apikey import (
-    PURPOSES,
-    ApiSigner,
-    certificate_path,
-    certified_purposes,
-    certify_api_key,
-)
 from farm.core.config import get_settings
 from farm.core.errors import KeyFileError, Kind
 
@@ -83,6 +76,7 @@ def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
     Edges need nothing new: the certificate travels with each signature. Run it where the
     signing key is; copy PATH and PATH.cert to the API. With --if-missing, an existing
     certificate for fewer purposes (blob statuses only) is replaced by one for every purpose."""
+    from farm.core.apikey import PURPOSES, certificate_path, certified_purposes, certify_api_key
     from farm.core.signing import Signer, create_key_pair  # cryptography
 
     settings = get_settings()
@@ -122,6 +116,8 @@ def keys_create_status(path: Path, if_missing: bool, as_json: bool) -> None:
 
 def _certificate(path: Path) -> dict | None:
     """The certificate beside the key `path`, if there is a readable one of that key."""
+    from farm.core.apikey import ApiSigner
+
     try:
         return ApiSigner.from_file(path).certificate
     except KeyFileError:

@@ -25,7 +25,6 @@ from farm.cli.common import (
 )
 from farm.cli.edge import edge_agent, key_of
 from farm.cli.jobs import source_options
-from farm.core.bundles import MANIFEST_NAME
 from farm.core.config import get_settings
 
 _KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
@@ -101,6 +100,8 @@ def verify(
     counted against it), or this machine has no device of the blob's class (nothing reported).
     KEY_OR_MODEL may be a ready pipeline folder (`farm pull FOLDER -o DIR`): its pipeline runs a
     fixed input with greedy decoding and must give the tokens recorded at compile time."""
+    from farm.core.bundles import MANIFEST_NAME  # signing (cryptography): only for a bundle
+
     if (Path(key_or_model) / MANIFEST_NAME).is_file():
         verify_ready_folder(Path(key_or_model), as_json)
         return

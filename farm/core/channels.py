@@ -20,14 +20,16 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from farm.core.apikey import CHANNEL_DOCUMENT, ApiSigner, check_signed
 from farm.core.errors import ChannelReplay, IntegrityMismatch, SpecError
 from farm.core.hashing import canonical_json
 from farm.core.identity import key_for
-from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import CompileSpec, Toolchain
+
+if TYPE_CHECKING:  # signing needs cryptography: loaded by the functions that sign or check
+    from farm.core.apikey import ApiSigner
+    from farm.core.signing import Signer, TrustedKeys
 
 CHANNEL_VERSION = 1
 CHANNEL_DOMAIN = b"farm-channel-v1\n"
@@ -193,6 +195,8 @@ def sign_document(signer: Signer, document: Document) -> str:
 
 def signed_document(api: ApiSigner, document: Document) -> dict[str, Any]:
     """`{signing_key_id, signature, certificate}` of `document`, by the API's key."""
+    from farm.core.apikey import CHANNEL_DOCUMENT
+
     return api.sign(CHANNEL_DOCUMENT, document.message())
 
 
@@ -205,6 +209,8 @@ def verify_document(
 ) -> None:
     """Raise `SignatureError` unless a key in `trust`, or a key a key in `trust` certified for
     channel documents (`certificate`: the API's key), signed exactly `document`."""
+    from farm.core.apikey import CHANNEL_DOCUMENT, check_signed
+
     check_signed(
         trust,
         CHANNEL_DOCUMENT,

@@ -20,12 +20,9 @@ from typing import TYPE_CHECKING
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from farm.core.apikey import ApiSigner
 from farm.core.config import Settings, get_settings
 from farm.core.errors import DatabaseUnavailable
 from farm.core.filecache import BlobCache
-from farm.core.signing import Signer, load_signer
-from farm.core.status import StatusSigner
 from farm.core.text import mask_url
 from farm.server.db.models import Job
 from farm.server.db.session import (
@@ -37,7 +34,10 @@ from farm.server.db.session import (
 from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
 from farm.server.storage import BlobStore, open_store
 
-if TYPE_CHECKING:  # the runner loads only where jobs run
+if TYPE_CHECKING:  # the runner, and signing (cryptography), load only where they are used
+    from farm.core.apikey import ApiSigner
+    from farm.core.signing import Signer
+    from farm.core.status import StatusSigner
     from farm.server.jobs.runner import RunLimits
 
 
@@ -93,6 +93,8 @@ class FarmContext:
     def signer(self) -> Signer | None:
         """Signs blobs; the embedded farm creates its key on first use, a served one must be
         given its key (`FARM_SIGNING_KEY`, `farm keys create`)."""
+        from farm.core.signing import load_signer
+
         settings = self.settings
         return load_signer(settings.resolved_signing_key, create=not settings.served)
 
@@ -101,6 +103,8 @@ class FarmContext:
         """Signs blob statuses and channel documents: FARM_STATUS_KEY with its certificate,
         else the blob signing key where this host holds it anyway (the embedded farm, a
         one-host farm); None: edges of this version refuse this farm's blobs and channels."""
+        from farm.core.apikey import ApiSigner
+
         settings = self.settings
         if settings.status_key is not None:
             return ApiSigner.from_file(settings.status_key)
@@ -109,6 +113,8 @@ class FarmContext:
 
     @cached_property
     def status_signer(self) -> StatusSigner | None:
+        from farm.core.status import StatusSigner
+
         key = self.api_signer
         return None if key is None else StatusSigner(key, self.settings.status_lifetime_seconds)
 

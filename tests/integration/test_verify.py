@@ -33,7 +33,9 @@ def lab(tmp_path):
     home = tmp_path / "farm"
     farm_env = {"FARM_HOME": str(home)}
     pull = ok_json(farm_env, "token", "create", "--name", "edge", "--role", "pull")["token"]
-    api = ApiServer(farm_env, tmp_path / "api.log").start()
+    # /metrics right after a change: no per-process cache (it is computed as the API starts).
+    api_env = {**farm_env, "FARM_METRICS_CACHE_SECONDS": "0"}
+    api = ApiServer(api_env, tmp_path / "api.log").start()
     edge_env = {
         "FARM_API_URL": api.url,
         "FARM_TOKEN": pull,

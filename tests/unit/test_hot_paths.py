@@ -104,7 +104,7 @@ def test_resolves_asked_together_are_one_query_and_each_gets_its_blob(embedded_f
         with embedded_farm.read() as session:
             yield session
 
-    resolves = resolve_batches(counted_read)
+    resolves = resolve_batches(counted_read, lambda: None)  # no status key: no signed status
 
     async def ask_all() -> list[str | BaseException]:
         asked = [key(1), key(2), key(9), key(1)]

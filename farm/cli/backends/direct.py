@@ -27,10 +27,6 @@ from farm.core.spec import CompileSpec, Toolchain
 from farm.server import pagination
 from farm.server.blobs import service as blobs
 from farm.server.blobs.rebuild import delete_quarantined
-from farm.server.blobs.signatures import signed_status
-from farm.server.channels import prebuild as prebuilds
-from farm.server.channels import service as channels
-from farm.server.channels import status as channel_status
 from farm.server.context import FarmContext, database_errors
 from farm.server.db.session import upgrade_database
 from farm.server.jobs import service as jobs
@@ -227,7 +223,7 @@ class Direct:
                 return None
             return {
                 **blob_dict(blob, compression_dict(session, blob)),
-                "status": signed_status(blob, self.farm.status_signer),
+                "status": _signed_status(blob, self.farm.status_signer),
             }
 
     def cache_keys(self, prefix: str) -> list[str]:
@@ -340,15 +336,23 @@ class Direct:
     # --- channels --------------------------------------------------------------------------------
 
     def create_channel(self, name: str) -> dict[str, Any]:
+        from farm.server.channels import service as channels
+        from farm.server.channels import status as channel_status
+
         with self._session() as session:
             channel = channels.create(session, self.farm.api_signer, name, _operator())
             return channel_status.channel_dict(channel)
 
     def channel(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        from farm.server.channels import status as channel_status
+
         with self._session() as session:
             return channel_status.show(session, name, revision)
 
     def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        from farm.server.channels import service as channels
+        from farm.server.channels import status as channel_status
+
         parsed = [Entry.from_dict(entry) for entry in entries]
         with self._session() as session:
             channels.set_revision(session, self.farm.api_signer, name, parsed, _operator())
@@ -357,6 +361,9 @@ class Direct:
     def promote_channel(
         self, name: str, revision: int, percent: int, force: bool = False
     ) -> dict[str, Any]:
+        from farm.server.channels import service as channels
+        from farm.server.channels import status as channel_status
+
         with self._session() as session:
             channel = channels.promote(
                 session,
@@ -371,20 +378,29 @@ class Direct:
             return channel_status.channel_dict(channel)
 
     def rollback_channel(self, name: str) -> dict[str, Any]:
+        from farm.server.channels import service as channels
+        from farm.server.channels import status as channel_status
+
         with self._session() as session:
             channel = channels.rollback(session, self.farm.api_signer, name, _operator())
             return channel_status.channel_dict(channel)
 
     def channel_document(self, name: str) -> dict[str, Any]:
+        from farm.server.channels import service as channels
+
         with self._session() as session:
             return channels.document_of(session, name, self.farm.api_signer)
 
     def report_channel_edge(self, name: str, report: dict[str, Any]) -> None:
+        from farm.server.channels import service as channels
+
         fields = dict(report)
         with self._session() as session:
             channels.record_edge(session, name, fields.pop("agent_id"), fields)
 
     def channel_status(self, name: str, toolchain: dict[str, Any] | None = None) -> dict[str, Any]:
+        from farm.server.channels import status as channel_status
+
         chain = Toolchain.from_json(toolchain) if toolchain is not None else None
         with self._session() as session:
             return channel_status.status(
@@ -394,6 +410,8 @@ class Direct:
     def prebuild(
         self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
     ) -> list[dict[str, Any]]:
+        from farm.server.channels import prebuild as prebuilds
+
         chain = Toolchain.from_json(toolchain)
         served = self.farm.settings.served
         dispatcher = self.farm.dispatcher() if served else InlineDispatcher(self.farm.run)
@@ -558,3 +576,10 @@ def serve_api(host: str, port: int, processes: int, settings: Settings) -> None:
         http=HeadTimeoutProtocol,
         timeout_keep_alive=settings.api_keep_alive_seconds,
     )
+
+
+def _signed_status(blob: Any, signer: Any) -> dict[str, Any] | None:
+    """`signatures.signed_status`, imported only by the commands that sign (cryptography)."""
+    from farm.server.blobs.signatures import signed_status
+
+    return signed_status(blob, signer)

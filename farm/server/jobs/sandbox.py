@@ -93,6 +93,7 @@ _MEMORY_SIGNS = (
     "Failed to allocate",  # OpenVINO's CPU plugin
     "Cannot allocate memory",  # ENOMEM
     "Resource temporarily unavailable",  # EAGAIN: no room for a new thread's stack
+    "can't start new thread",  # Python's words for the same
     "failed to map segment",  # the loader, opening a plugin library
 )
 """How an allocation refused by ``RLIMIT_AS`` shows in the errors of a compile (measured)."""
@@ -822,7 +823,13 @@ def _die_with(parent: int) -> None:
             time.sleep(1)
         os.killpg(0, signal.SIGKILL)
 
-    threading.Thread(target=watch, name="worker-watch", daemon=True).start()
+    # The watcher needs little stack: a default 8 MiB one would count against the child's
+    # address-space limit like the compile's own memory.
+    previous = threading.stack_size(256 * 1024)
+    try:
+        threading.Thread(target=watch, name="worker-watch", daemon=True).start()
+    finally:
+        threading.stack_size(previous)
 
 
 def _out_of_memory(error: BaseException | None) -> bool:
