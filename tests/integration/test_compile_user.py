@@ -217,13 +217,15 @@ def _processes_of(uid: int) -> list[str]:
 
 
 def _pids_of(uid: int) -> list[int]:
+    """Live processes of `uid`: a zombie (killed, not yet reaped by whoever inherited it; no
+    memory, no files, nothing it can do) is not one."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             status = Path(f"/proc/{entry}/status").read_text()
         except OSError:
             continue
-        if f"\nUid:\t{uid}\t" in status:
+        if f"\nUid:\t{uid}\t" in status and "\nState:\tZ" not in status:
             found.append(int(entry))
     return found
 
