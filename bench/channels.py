@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import child_env, log, percentile, scratch, target, write_result
+from .common import child_env, log, percentile, scaled, scratch, target, write_result
 from .stack import served_stack
 
 CHANNEL = "fleet"
-SYNCS = 50
+SYNCS = scaled(50, 3)
 """No-change syncs per edge process, after its first switch."""
 
 
@@ -219,8 +219,8 @@ def main(argv: list[str]) -> int:
         edge_process(url, token, trusted, cache, agent, int(syncs))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.channels")
-    parser.add_argument("--edges", type=int, default=500)
-    parser.add_argument("--processes", type=int, default=20)
+    parser.add_argument("--edges", type=int, default=scaled(500, 20))
+    parser.add_argument("--processes", type=int, default=scaled(20, 3))
     options = parser.parse_args(argv)
     from farm.client import FarmClient
     from farm.core.signing import TrustedKeys

@@ -27,13 +27,14 @@ from .common import (
     comparison,
     log,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
     write_result,
 )
 
-MEGABYTES = int(os.environ.get("FARM_BENCH_COMPRESS_MB", "128"))
+MEGABYTES = int(os.environ.get("FARM_BENCH_COMPRESS_MB", str(scaled(128, 8))))
 """FP32 weights of the benchmark's matmul chain: 8 layers of 2048x2048 at the default."""
 TIMED_MODE = "int4-sym"
 """The mode timed against NNCF direct: the NPU LLM form, the slowest data-free one."""

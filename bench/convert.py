@@ -28,6 +28,7 @@ from .common import (
     comparison,
     log,
     probe,
+    scaled,
     scratch,
     stats,
     target,
@@ -35,7 +36,7 @@ from .common import (
 )
 
 NAME = "convert"
-MODEL_MB = 512
+MODEL_MB = scaled(512, 8)
 
 
 def main() -> dict:

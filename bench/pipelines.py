@@ -24,6 +24,7 @@ from .common import (
     log,
     probe,
     ratio,
+    scaled,
     scratch,
     stats,
     target,
@@ -31,7 +32,7 @@ from .common import (
 )
 
 NAME = "pipelines"
-HIDDEN, LAYERS = 512, 8
+HIDDEN, LAYERS = scaled(512, 64), scaled(8, 2)
 
 
 def main() -> dict:
