@@ -114,7 +114,7 @@ def safe_path(path: str) -> bool:
 
 def sign(manifest: BundleManifest, signer: Signer) -> dict[str, Any]:
     """The signed manifest as stored and shipped: the document, the key id, the signature."""
-    signature = base64.b64encode(signer.private.sign(manifest.message())).decode("ascii")
+    signature = signer.sign_message(manifest.message())
     return {"manifest": manifest.document(), "signer": signer.key_id, "signature": signature}
 
 

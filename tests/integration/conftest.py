@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,35 @@ def edge_venv(tmp_path_factory) -> Path:
         assert installed.returncode == 0, installed.stderr[-3000:]
         (venv / "ready").touch()
     return venv
+
+
+def edge_environment(api, served, home: Path, agent_id: str) -> dict[str, str]:
+    """What an edge of the served farm holds: the API's URL, a pull token and the workers'
+    public key; no farm credentials."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "FARM_API_URL": api.url,
+        "FARM_TOKEN": api.tokens["pull"],
+        "FARM_AGENT_ID": agent_id,
+        "FARM_TRUSTED_KEYS": served.env["FARM_TRUSTED_KEYS"],
+    }
+
+
+def edge_cli(edge_venv: Path, env: dict[str, str]) -> Callable[..., dict]:
+    """`farm ... --json` with the `farm[edge]` venv's own command in `env`: its JSON answer,
+    after checking it exited 0."""
+
+    def edge(*args: str) -> dict:
+        result = subprocess.run(
+            [str(edge_venv / "bin" / "farm"), *args, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    return edge

@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from farm.server.db.models import Pull
 from tests import models
+from tests.integration.conftest import edge_cli, edge_environment
 
 SERVER_ONLY = ("celery", "sqlalchemy", "boto3", "fastapi", "uvicorn", "psycopg", "alembic")
 
@@ -86,26 +87,8 @@ def test_a_worker_blob_is_pulled_imported_and_run_on_the_edge_install(
     assert submitted["job"]["state"] == "succeeded"
 
     # The edge: its own Python, only the API URL and a pull token; no farm credentials at all.
-    edge_env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path / "edge-home"),
-        "FARM_API_URL": api.url,
-        "FARM_TOKEN": api.tokens["pull"],
-        "FARM_AGENT_ID": "edge-install",
-        "FARM_TRUSTED_KEYS": served.env["FARM_TRUSTED_KEYS"],
-    }
-
-    def edge(*args: str) -> dict:
-        result = subprocess.run(
-            [str(edge_venv / "bin" / "farm"), *args, "--json"],
-            capture_output=True,
-            text=True,
-            env=edge_env,
-            timeout=300,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
+    edge_env = edge_environment(api, served, tmp_path / "edge-home", "edge-install")
+    edge = edge_cli(edge_venv, edge_env)
 
     pulled = edge("pull", str(xml), "--device", "CPU", "--import")
     assert pulled["cache_key"] == submitted["cache_key"]

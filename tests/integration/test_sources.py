@@ -27,6 +27,7 @@ from farm.server.db.models import Job, StageOutput
 from farm.server.jobs.runner import run_job
 from farm.server.jobs.service import submit
 from tests.conftest import service_missing
+from tests.integration.conftest import edge_cli, edge_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("torch", "tensorflow", "paddle", "transformers", "optimum.intel")
@@ -89,26 +90,8 @@ def test_sources_convert_once_compile_and_verify_on_an_edge_install(
         assert worker.converters["torch"]["torch"].startswith("2.13.0")
         assert any(queue.endswith(".with-torch") for queue in worker.queues)
     submitter = {"FARM_API_URL": api.url, "FARM_TOKEN": api.tokens["submit"]}
-    edge_env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path / "edge-home"),
-        "FARM_API_URL": api.url,
-        "FARM_TOKEN": api.tokens["pull"],
-        "FARM_AGENT_ID": "edge-sources",
-        "FARM_TRUSTED_KEYS": served.env["FARM_TRUSTED_KEYS"],
-    }
-
-    def edge(*args: str) -> dict:
-        result = subprocess.run(
-            [str(edge_venv / "bin" / "farm"), *args, "--json"],
-            capture_output=True,
-            text=True,
-            env=edge_env,
-            timeout=300,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
+    edge_env = edge_environment(api, served, tmp_path / "edge-home", "edge-sources")
+    edge = edge_cli(edge_venv, edge_env)
 
     for name, path in built.items():
         flags = SOURCES[name][2]
