@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import re
 import socket
@@ -38,7 +40,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, child_env, log, percentile, scaled, scratch, target, write_result
+from .common import (
+    REPO,
+    RUNS,
+    SMOKE,
+    child_env,
+    log,
+    percentile,
+    scaled,
+    scratch,
+    target,
+    write_result,
+)
 from .stack import fresh_database
 
 DAY = 86400.0
@@ -733,10 +746,229 @@ def gc_run(url: str, folder: Path, dry_run: bool) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def kept_database(name: str, drop: bool = False) -> Iterator[str]:
+    """A bench database that outlives the run (`--keep`): loading 1M blobs takes a while."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from .stack import POSTGRES_ADMIN_URL
+
+    admin = make_url(POSTGRES_ADMIN_URL)
+    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
+    database = f"farm_bench_keep_{name}"
+    with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as connection:
+        exists = connection.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (database,)
+        ).fetchone()
+        if drop:
+            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            Path(f"/tmp/farm-catalog-{name}.json").unlink(missing_ok=True)
+            yield ""
+            return
+        if not exists:
+            Path(f"/tmp/farm-catalog-{name}.json").unlink(missing_ok=True)
+            connection.execute(f'CREATE DATABASE "{database}"')
+    yield admin.set(database=database).render_as_string(hide_password=False)
+
+
+def _start_api(url: str, folder: Path, processes: int, port: int) -> subprocess.Popen:
+    """`farm api --workers N` as deployed, answering /healthz (its cached aggregates may still
+    be warming: that is what "the first request after start" meets)."""
+    import httpx
+
+    env = child_env(
+        {
+            "FARM_DATABASE_URL": url,
+            "FARM_STORAGE_URL": str(folder / "store"),
+            "FARM_BROKER_URL": "redis://127.0.0.1:6318/9",
+            "FARM_HOME": str(folder / "home"),
+            "FARM_API_REQUESTS_PER_MINUTE": "10000000",
+        }
+    )
+    farm = str(Path(sys.executable).parent / "farm")
+    command = [farm, "api", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, "--workers", str(processes)],
+        env=env,
+        stdout=(folder / f"api-{port}.log").open("a"),
+        stderr=subprocess.STDOUT,
+    )
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.terminate()
+    raise RuntimeError("farm api did not start")
+
+
+def _stop_api(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(30)
+
+
+FIRST = {
+    "first /v1/blobs page of 100": ("/v1/blobs?limit=100", "admin"),
+    "first /dashboard": ("/dashboard", "admin"),
+    "first /metrics": ("/metrics", "pull"),
+}
+"""The first request of each kind after `farm api` starts (a fresh start for each)."""
+
+
+def hot_paths(url: str, loaded: dict[str, Any], folder: Path, scale: float) -> int:
+    """Issue 30, item 6: the first /metrics, /dashboard and /v1/blobs page after a start, and
+    the fleet's resolves and pull reports against /healthz of the same processes, 20 clients,
+    with 1 and 2 API processes; each round measures the three back to back (interleaved),
+    medians of the rounds."""
+    import httpx
+
+    runs = RUNS
+    port = 18090
+    first: dict[str, list[float]] = {name: [] for name in FIRST}
+    again: dict[str, list[float]] = {name: [] for name in FIRST}  # the second, for contrast
+    loads = [os.getloadavg()[0]]
+    for _ in range(runs):
+        for name, (path, role) in FIRST.items():
+            server = _start_api(url, folder, 2, port)
+            try:
+                headers = {"Authorization": f"Bearer {loaded['tokens'][role]}"}
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                    for seen in (first, again):
+                        began = time.perf_counter()
+                        response = client.get(path, headers=headers)
+                        seen[name].append((time.perf_counter() - began) * 1000)
+                        assert response.status_code == 200, response.text[:300]
+            finally:
+                _stop_api(server)
+        log(f"  first requests after start: { {k: round(v[-1], 1) for k, v in first.items()} }")
+        log(f"  and the second of each: { {k: round(v[-1], 1) for k, v in again.items()} }")
+    pull = {"Authorization": f"Bearer {loaded['tokens']['pull']}"}
+    key = loaded["keys"][0]
+    cases = {
+        "healthz": ("GET", "/healthz", None, None),
+        "resolve": ("GET", f"/v1/blobs/{key}", pull, None),
+        "pull report": (
+            "POST",
+            f"/v1/blobs/{key}/pulls",
+            pull,
+            {"agent_id": "edge-bench", "ok": True, "import_seconds": 0.3},
+        ),
+    }
+    seconds = scaled(10.0, 1.0)
+    throughput: dict[str, Any] = {}
+    for processes in (1, 2):
+        server = _start_api(url, folder, processes, port)
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+        try:
+            asyncio.run(_concurrent(f"http://127.0.0.1:{port}", cases["resolve"], loaded, 2.0))
+            for _ in range(runs):
+                for name, case in cases.items():
+                    rounds[name].append(
+                        asyncio.run(_concurrent(f"http://127.0.0.1:{port}", case, loaded, seconds))
+                    )
+        finally:
+            _stop_api(server)
+        summary: dict[str, Any] = {"rounds": rounds}
+        for name in cases:
+            summary[name] = {
+                "per_second": statistics.median(r["per_second"] for r in rounds[name]),
+                "p50_ms": statistics.median(r["p50_ms"] for r in rounds[name]),
+                "p99_ms": statistics.median(r["p99_ms"] for r in rounds[name]),
+                "errors": sum(r["errors"] for r in rounds[name]),
+            }
+        for name in ("resolve", "pull report"):
+            summary[f"{name} / healthz"] = statistics.median(
+                r["per_second"] / h["per_second"]
+                for r, h in zip(rounds[name], rounds["healthz"], strict=True)
+            )
+        throughput[str(processes)] = summary
+        shown = {k: v for k, v in summary.items() if k != "rounds"}
+        log(f"  {processes} API process(es): {shown}")
+    one = throughput["1"]
+    medians = {name: statistics.median(values) for name, values in first.items()}
+    targets = [
+        target("first /metrics after start", medians["first /metrics"], 300, unit="ms"),
+        target("first /dashboard after start", medians["first /dashboard"], 100, unit="ms"),
+        target(
+            "first /v1/blobs page of 100 after start",
+            medians["first /v1/blobs page of 100"],
+            100,
+            unit="ms",
+        ),
+        target(
+            "resolve / /healthz throughput, 1 API process, 20 clients",
+            one["resolve / healthz"],
+            0.5,
+            at_most=False,
+            unit="x",
+        ),
+        target(
+            "pull report / /healthz throughput, 1 API process, 20 clients",
+            one["pull report / healthz"],
+            0.4,
+            at_most=False,
+            unit="x",
+        ),
+    ]
+    if SMOKE:
+        return 0
+    with psycopg_connect(url) as connection:
+        counts = {
+            table: connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            for table in ("jobs", "blobs", "pulls", "metric_counts")
+        }
+    write_result(
+        "catalog-hotpaths" if scale == 1 else f"catalog-hotpaths-scale{scale:g}",
+        {
+            "title": f"issue 30 item 6: the catalog's hot paths at scale {scale}",
+            "note": "2 cores shared with other agents' builds and tests while this ran; the "
+            "20-client load generator runs on the same cores",
+            "counts": counts,
+            "first_after_start_ms": {
+                name: {"median": medians[name], "runs": values} for name, values in first.items()
+            },
+            "second_after_start_ms": {
+                name: {"median": statistics.median(values), "runs": values}
+                for name, values in again.items()
+            },
+            "load_average": {"start": loads[0], "end": os.getloadavg()[0]},
+            "throughput_by_api_processes": throughput,
+            "seconds_per_round": seconds,
+            "targets": targets,
+        },
+    )
+    return 0
+
+
+def psycopg_connect(url: str) -> Any:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return psycopg.connect(conninfo, autocommit=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.catalog")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--no-gc", action="store_true", help="Skip the real gc.")
+    parser.add_argument(
+        "--keep",
+        metavar="NAME",
+        help="Load into database farm_bench_keep_NAME once and reuse it on later runs "
+        "(the loaded keys and tokens are kept beside it under /tmp); drop it with --drop.",
+    )
+    parser.add_argument("--load-only", action="store_true", help="With --keep: only load.")
+    parser.add_argument("--drop", action="store_true", help="With --keep: drop the database.")
+    parser.add_argument(
+        "--hot-paths",
+        action="store_true",
+        help="Only issue 30's hot paths (cold /metrics, dashboard and blob page; the fleet's "
+        "throughput with 1 and 2 API processes): writes catalog-hotpaths[-scaleS].json.",
+    )
     parser.add_argument(
         "--throughput-only",
         action="store_true",
@@ -745,11 +977,28 @@ def main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     from farm.server.db.session import upgrade_database
 
-    with scratch("catalog") as folder, fresh_database() as url:
-        log(f"scale {options.scale}: migrating to 0010 (before this issue's indexes)")
-        upgrade_database(url, "0010")
-        loaded = load(url, options.scale)
-        log(f"loaded {loaded['counts']} in {loaded['timings']}")
+    if options.keep and options.drop:
+        with kept_database(options.keep, drop=True):
+            return 0
+    database = kept_database(options.keep) if options.keep else fresh_database()
+    with scratch("catalog") as folder, database as url:
+        state = Path(f"/tmp/farm-catalog-{options.keep}.json") if options.keep else None
+        if state is not None and state.exists():
+            loaded = json.loads(state.read_text())
+            log(f"reusing {options.keep}: {loaded['counts']}")
+        else:
+            log(f"scale {options.scale}: migrating to 0010 (before this issue's indexes)")
+            upgrade_database(url, "0010")
+            loaded = load(url, options.scale)
+            log(f"loaded {loaded['counts']} in {loaded['timings']}")
+            if state is not None:
+                state.write_text(json.dumps(loaded))
+        if options.load_only:
+            upgrade_database(url)
+            return 0
+        if options.hot_paths:
+            upgrade_database(url)
+            return hot_paths(url, loaded, folder, options.scale)
         if options.throughput_only:
             upgrade_database(url)
             for processes in SCALING:
@@ -779,6 +1028,7 @@ def main(argv: list[str]) -> int:
             for processes in SCALING
         }
         log(f"throughput by API processes: {scaling}")
+        hot_paths(url, loaded, folder, options.scale)  # issue 30's figures, before gc deletes
         dry = gc_run(url, folder, dry_run=True)
         log(f"gc dry run: {dry}")
         real = None if options.no_gc else gc_run(url, folder, dry_run=False)

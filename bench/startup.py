@@ -3,15 +3,16 @@
 imports only the libraries that path must have, measured side by side in one run.
 
 "Before" is the code of a baseline commit (`FARM_BENCH_STARTUP_BASELINE`, default the commit
-before issue 30's lazy imports), checked out into a scratch worktree and run by the same
-interpreter with that worktree first on PYTHONPATH: same Python, same libraries, same farm home,
-only farm's own code differs. "After" is this checkout. "API" is this checkout with FARM_API_URL
-set, talking to `farm api` on the same embedded farm. "Bare" is `python -c "import click,
-sqlalchemy, sqlite3"` (what the embedded path cannot do without) and `python -c "import click,
-httpx"` (the API path's).
+before issue 30's read path without the ORM and pydantic), checked out into a scratch worktree
+and run by the same interpreter with that worktree first on PYTHONPATH: same Python, same
+libraries, same farm home, only farm's own code differs. "After" is this checkout. "API" is this
+checkout with FARM_API_URL set, talking to `farm api` on the same embedded farm. "Bare" is
+`python -c "import click, sqlalchemy, sqlite3"` (what the embedded path cannot do without) and
+`python -c "import click, httpx"` (the API path's).
 
 Each measurement is the wall time of a fresh process, interleaved run by run across all the
-ways, so the noise of a shared machine hits all of them.
+ways (and the order rotated each run, so no way always follows another), so the noise of a
+shared machine hits all of them; each figure is the median of its runs.
 
 Target (issue 30, item 4): each read command costs at most 1.5x + 50 ms of its path's bare
 process.
@@ -19,6 +20,7 @@ process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -31,8 +33,9 @@ from pathlib import Path
 from .common import REPO, RUNS, comparison, log, scaled, scratch, stats, target, write_result
 
 NAME = "startup"
-BASELINE = os.environ.get("FARM_BENCH_STARTUP_BASELINE", "320d968")
-"""The commit before issue 30's lazy imports (the doctor, tokens, gc... on every command)."""
+BASELINE = os.environ.get("FARM_BENCH_STARTUP_BASELINE", "7f9dcbf")
+"""The commit before issue 30's light read path (the ORM, pydantic and every command's module
+loaded by every read command)."""
 COMMANDS = {"farm jobs": ["jobs"], "farm blobs": ["blobs"], "farm status KEY": ["status"]}
 BARE = {
     "embedded": "import click, sqlalchemy, sqlite3",
@@ -139,23 +142,28 @@ def main() -> dict:
             }
             python_alone: list[float] = []
             bare: dict[str, list[float]] = {path: [] for path in BARE}
-            runs = scaled(max(RUNS, 10), 1)
+            runs = scaled(max(RUNS, 15), 1)
             for env in ways.values():  # warm the page cache and the .pyc files
                 for command, args in COMMANDS.items():
                     run_farm(env, *args, *([key] if command.endswith("KEY") else []))
+
+            def python(code: str, into: list[float]) -> None:
+                started = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], check=True)
+                into.append(time.perf_counter() - started)
+
+            def farm(command: str, way: str) -> None:
+                full = [*COMMANDS[command], *([key] if command.endswith("KEY") else [])]
+                seconds[command][way].append(run_farm(ways[way], *full)[0])
+
+            tasks = [lambda: python("pass", python_alone)]
+            tasks += [functools.partial(python, code, bare[path]) for path, code in BARE.items()]
+            tasks += [functools.partial(farm, c, w) for c in COMMANDS for w in ways]
             for run in range(runs):
                 log(f"run {run + 1}/{runs}")
-                started = time.perf_counter()
-                subprocess.run([sys.executable, "-c", "pass"], check=True)
-                python_alone.append(time.perf_counter() - started)
-                for path, imports in BARE.items():
-                    started = time.perf_counter()
-                    subprocess.run([sys.executable, "-c", imports], check=True)
-                    bare[path].append(time.perf_counter() - started)
-                for command, args in COMMANDS.items():
-                    full = [*args, *([key] if command.endswith("KEY") else [])]
-                    for way, env in ways.items():
-                        seconds[command][way].append(run_farm(env, *full)[0])
+                turn = run % len(tasks)
+                for task in tasks[turn:] + tasks[:turn]:
+                    task()
         finally:
             if api is not None:
                 os.killpg(api.pid, signal.SIGTERM)
@@ -217,6 +225,7 @@ def main() -> dict:
         "python_alone_ms": stats([s * 1000 for s in python_alone]),
         "bare_ms": {path: stats([s * 1000 for s in runs]) for path, runs in bare.items()},
         "baseline_commit": BASELINE,
+        "runs_per_measurement": runs,
         "targets": targets,
         "notes": (
             "before: the baseline commit's farm code, same interpreter and libraries; after: "

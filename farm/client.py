@@ -8,6 +8,7 @@ import hashlib
 import http.client
 import os
 import queue
+import ssl
 import threading
 import time
 import urllib.parse
@@ -15,16 +16,15 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from farm.core.channels import check_name
 from farm.core.errors import ApiError, IntegrityMismatch, Kind
-from farm.core.hashing import sha256_file
-from farm.core.identity import ModelRef
-from farm.core.spec import CompileSpec, Toolchain
-from farm.core.stages import recipe_json
+
+if TYPE_CHECKING:  # a submission's and a channel's parts load where they are used, not to list
+    from farm.core.identity import ModelRef
+    from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
 UPLOAD_ATTEMPTS = 30
@@ -52,6 +52,7 @@ class FarmClient:
             base_url=base_url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=10.0),
+            verify=_tls_for(base_url),
         )
 
     def close(self) -> None:
@@ -187,6 +188,9 @@ class FarmClient:
         `uploading(total_bytes)` wraps the uploads and yields the progress callback.
         `rebuild`: replace the specs' quarantined blobs with new compiles. `reference_inputs`:
         an .npz of inputs new jobs compute their reference outputs from (uploaded likewise)."""
+        from farm.core.hashing import sha256_file
+        from farm.core.stages import recipe_json
+
         body = [{"target": spec.target.name, **spec.canonical()} for spec in specs]
         sources = {sha: ref.files[role] for role, sha in ref.identity.items()}
         inputs_sha = None
@@ -322,6 +326,55 @@ class FarmClient:
         path = f"/v1/stages/{stage_key}/files/{role}"
         return self._download(path, stage_key, dest, None, None)
 
+    # --- pipeline bundles (§17) --------------------------------------------------------------
+
+    def submit_bundle(
+        self,
+        files: Mapping[str, tuple[str, Path]],
+        body: Mapping[str, Any],
+        progress: Progress | None = None,
+    ) -> dict:
+        """Upload the folder's files the farm lacks (`files`: relative path -> (sha256, local
+        file)), then submit the bundle (`body`: pipeline, target, options, toolchain)."""
+        local = {sha: path for sha, path in files.values()}
+        digests = sorted(local)
+        missing: list[str] = []
+        for start in range(0, len(digests), 16):  # the API answers 16 digests at a time
+            missing += self.missing(digests[start : start + 16])
+        for sha in missing:
+            self.upload(sha, local[sha], progress)
+        payload = {**body, "files": {path: sha for path, (sha, _) in files.items()}}
+        return self._call("POST", "/v1/bundles", json=payload)
+
+    def bundle_manifest(self, bundle_key: str) -> dict:
+        """The signed manifest of a published bundle (ApiError `not_found` otherwise)."""
+        return self._call("GET", f"/v1/bundles/{bundle_key}")
+
+    def bundle_build(self, bundle_key: str) -> dict | None:
+        """A bundle's build (state and parts), or None when the farm was never asked for it."""
+        try:
+            return self._call("GET", f"/v1/bundles/{bundle_key}/build")
+        except ApiError as error:
+            if error.code == "not_found":
+                return None
+            raise
+
+    def open_bundle_file(self, sha256: str, offset: int) -> _BodyReader:
+        """A bundle file's bytes from `offset` on (a presigned redirect followed)."""
+        ranged = {"Range": f"bytes={offset}-"} if offset else {}
+        path = f"/v1/bundle-files/{sha256}"
+        try:
+            request = self.http.build_request("GET", path, headers=ranged)
+            response = self.http.send(request, stream=True, follow_redirects=False)
+            if response.is_redirect:
+                location = response.headers["location"]
+                response.close()
+                request = httpx.Request("GET", location, headers=ranged)
+                response = httpx.Client(timeout=DOWNLOAD_TIMEOUT_SECONDS).send(request, stream=True)
+        except httpx.TransportError as error:
+            raise ApiError(0, "unreachable", f"download of {sha256} failed: {error}") from error
+        return _BodyReader.checked(response, offset)
+
     def _download(
         self,
         path: str,
@@ -436,8 +489,77 @@ class FarmClient:
         return self._call("POST", "/v1/prebuild", json=body)
 
 
+class _BodyReader(contextlib.AbstractContextManager):
+    """A streamed response as a file to read (`read(n)`); `skip` bytes of it dropped first
+    (a server that answered a range request with the whole file)."""
+
+    def __init__(
+        self, response: httpx.Response, skip: int, owner: httpx.Client | None = None
+    ) -> None:
+        self.response, self.owner = response, owner
+        self._chunks = response.iter_bytes(DOWNLOAD_CHUNK)
+        self._pending = b""
+        while skip:
+            piece = self._next()
+            if not piece:
+                break
+            dropped = min(skip, len(piece))
+            self._pending, skip = piece[dropped:], skip - dropped
+
+    def _next(self) -> bytes:
+        if self._pending:
+            piece, self._pending = self._pending, b""
+            return piece
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            return b""
+        except httpx.TransportError as error:
+            raise ApiError(0, "unreachable", f"download broke off: {error}") from error
+
+    @classmethod
+    def checked(
+        cls, response: httpx.Response, offset: int, owner: httpx.Client | None = None
+    ) -> _BodyReader:
+        """The reader of `response`, or its error raised (and everything closed)."""
+        if response.status_code >= 400:
+            response.read()
+            response.close()
+            if owner is not None:
+                owner.close()
+            _raise_for_error(response)
+        return cls(response, 0 if response.status_code == 206 else offset, owner)
+
+    def read(self, size: int = -1) -> bytes:
+        piece = self._next()
+        if size >= 0 and len(piece) > size:
+            piece, self._pending = piece[:size], piece[size:]
+        return piece
+
+    def close(self) -> None:
+        self.response.close()
+        if self.owner is not None:
+            self.owner.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tls_for(base_url: str) -> ssl.SSLContext | bool:
+    """How the client checks the API's certificate: httpx's default (the CA bundle) for an
+    https API. A plain-http API never gets a TLS connection from this client (every request is
+    relative to its base URL; presigned downloads go through the standard library), so it gets
+    a context that trusts no certificate at all: it fails closed if ever used, and reading the
+    CA bundle it would never use (~20 ms of every `farm` command through the API) is skipped."""
+    if urllib.parse.urlsplit(base_url).scheme == "https":
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 def _channel(name: str) -> str:
     """A channel name checked before it goes into a URL path."""
+    from farm.core.channels import check_name
+
     return check_name(name)
 
 

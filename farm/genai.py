@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from farm.core.errors import Incompatible, NotInstalled
-from farm.core.pipelines import GENAI_TOOLS, toolchain_part
+from farm.core.pipelines import GENAI_TOOLS, LAYOUTS, toolchain_part
 from farm.core.spec import Target
 from farm.toolchain import host_toolchain
 
@@ -24,7 +24,18 @@ PIPELINE_CLASSES = {
     "whisper": "WhisperPipeline",
     "text2image": "Text2ImagePipeline",
 }
+SUB_MODEL_CLASSES = {
+    "text_encoder": "CLIPTextModel",
+    "unet": "UNet2DConditionModel",
+    "vae_decoder": "AutoencoderKL",
+}
+"""The GenAI class that compiles each sub-model part (`farm.core.pipelines.SEPARATE_SUB_MODELS`)
+exactly as Text2ImagePipeline does: its cache entry is the one the pipeline then loads."""
 REFERENCE_PROMPT = "the quick brown fox"
+REFERENCE_PICTURE_SIZE = 64
+"""VLM's reference run: a fixed 64x64 gradient picture with the reference prompt."""
+REFERENCE_IMAGE = {"width": 64, "height": 64, "num_inference_steps": 2, "rng_seed": 42}
+"""Text-to-image's reference run: a small image in two steps from a fixed seed."""
 REFERENCE_NEW_TOKENS = 16
 REFERENCE_AUDIO_SECONDS = 1
 SAMPLE_RATE = 16000
@@ -78,8 +89,52 @@ def _module() -> Any:
 
 def open_pipeline(kind: str, folder: Path, device: str, properties: Mapping[str, Any]) -> Any:
     """An `openvino_genai.<kind>Pipeline` on `folder` for `device` with `properties`."""
-    pipeline_class = getattr(_module(), PIPELINE_CLASSES[kind])
+    genai = _module()
+    if kind == "vlm":
+        return _open_vlm(genai, folder, device, properties)
+    pipeline_class = getattr(genai, PIPELINE_CLASSES[kind])
     return pipeline_class(str(folder), device, **dict(properties))
+
+
+def _open_vlm(genai: Any, folder: Path, device: str, properties: Mapping[str, Any]) -> Any:
+    """A VLM opened from its models in memory, not from its folder's path: GenAI 2026.4 compiles
+    the vision embeddings model from its file path, and OpenVINO names a path-compiled cache
+    entry from the absolute path, so a bundle's entry would miss at any other path. Given the
+    model itself, the entry is named from its content (docs/openvino.md, "Parts")."""
+    import numpy as np
+    import openvino as ov
+
+    layout = LAYOUTS["vlm"]
+    models = {}
+    for name, xml in [
+        *((n, paths[0]) for n, paths in layout.parts.items()),
+        *layout.optional.items(),
+    ]:
+        path = folder / xml
+        if path.is_file():
+            weights = np.fromfile(path.with_suffix(".bin"), dtype=np.uint8)
+            models[name] = (path.read_text(encoding="utf-8"), ov.Tensor(weights))
+    tokenizer = genai.Tokenizer(str(folder))
+    return genai.VLMPipeline(models, tokenizer, str(folder), device, **dict(properties))
+
+
+def compile_sub_model(name: str, folder: Path, device: str, properties: Mapping[str, Any]) -> Any:
+    """Compile one sub-model folder (``unet/``) with the GenAI class its pipeline uses."""
+    model_class = getattr(_module(), SUB_MODEL_CLASSES[name])
+    return model_class(str(folder), device, **dict(properties))
+
+
+def reference_picture() -> Any:
+    """A fixed 64x64 RGB gradient (an `openvino.Tensor`, NHWC u8) for the VLM's reference run."""
+    import numpy as np
+    import openvino as ov
+
+    ramp = np.arange(REFERENCE_PICTURE_SIZE, dtype=np.uint16) * 4
+    red = np.broadcast_to(ramp[None, :], (REFERENCE_PICTURE_SIZE, REFERENCE_PICTURE_SIZE))
+    green = red.T
+    blue = np.full_like(red, 128)
+    picture = np.stack([red, green, blue], axis=-1).astype(np.uint8)[None]
+    return ov.Tensor(np.ascontiguousarray(picture))
 
 
 def reference_audio() -> list[float]:
@@ -93,8 +148,9 @@ def reference_audio() -> list[float]:
 
 
 def reference_run(kind: str, pipeline: Any) -> dict[str, Any]:
-    """Greedy decoding of a fixed input: the tokens (LLM) or text (Whisper) a bundle records at
-    compile time and `farm verify` compares with what the edge's pipeline generates."""
+    """Greedy decoding of a fixed input: the tokens (LLM) or text (Whisper), or the sha256 of
+    the image of a fixed seed (text-to-image), that a bundle records at compile time and `farm
+    verify` compares with what the edge's pipeline generates."""
     genai = _module()
     if kind == "llm":
         config = genai.GenerationConfig(max_new_tokens=REFERENCE_NEW_TOKENS, do_sample=False)
@@ -102,10 +158,31 @@ def reference_run(kind: str, pipeline: Any) -> dict[str, Any]:
         tokens = pipeline.get_tokenizer().encode(REFERENCE_PROMPT)
         result = pipeline.generate(tokens, config)
         return {"prompt": REFERENCE_PROMPT, "tokens": [int(t) for t in result.tokens[0]]}
+    if kind == "vlm":
+        config = genai.GenerationConfig(max_new_tokens=REFERENCE_NEW_TOKENS, do_sample=False)
+        config.ignore_eos = True
+        result = pipeline.generate(
+            REFERENCE_PROMPT, images=[reference_picture()], generation_config=config
+        )
+        return {
+            "prompt": REFERENCE_PROMPT,
+            "picture": "64x64 gradient",
+            "texts": list(result.texts),
+        }
     if kind == "whisper":
         config = pipeline.get_generation_config()
         config.max_new_tokens = REFERENCE_NEW_TOKENS
         config.do_sample = False
         result = pipeline.generate(reference_audio(), config)
         return {"audio": f"{REFERENCE_AUDIO_SECONDS} s tone", "texts": list(result.texts)}
+    if kind == "text2image":
+        import hashlib
+
+        image = pipeline.generate(REFERENCE_PROMPT, **REFERENCE_IMAGE)
+        return {
+            "prompt": REFERENCE_PROMPT,
+            **REFERENCE_IMAGE,
+            "shape": [int(n) for n in image.shape],
+            "image_sha256": hashlib.sha256(bytes(image.data)).hexdigest(),
+        }
     return {}

@@ -4,10 +4,12 @@
 
 KIND: pt2 (an nn.Module through torch.export), torchscript (torch.jit.trace), pickle (a plain
 `torch.save(model)`: what farm refuses), tflite (written by TensorFlow's converter), paddle
-(paddle.jit.save), savedmodel (tf.saved_model.save), hf (a tiny BERT from a small config with
-random weights and a locally built tokenizer). Each writes OUT (a file, or a folder for
-savedmodel/hf/paddle) and prints its path. Nothing is downloaded. Run in a subprocess: the
-frameworks are large, and TensorFlow, torch and Paddle are best kept out of one process.
+(paddle.jit.save; the tests set FLAGS_enable_pir_api=0 for a .pdmodel), paddle3 (the same
+model as Paddle 3's .json program), savedmodel (tf.saved_model.save), hf (a tiny BERT from a
+small config with random weights and a locally built tokenizer). Each writes OUT (a file, or a
+folder for savedmodel/hf/paddle/paddle3) and prints its path. Nothing is downloaded. Run in a
+subprocess: the frameworks are large, and TensorFlow, torch and Paddle are best kept out of one
+process.
 
 The models are deterministic (seeded), small (kilobytes), and their first input is
 ``x[1,3,8,8]:f32`` (hf: input_ids/attention_mask/token_type_ids [1,8]).
@@ -148,7 +150,17 @@ def hf(out: Path) -> Path:
     return out
 
 
-KINDS = {f.__name__: f for f in (pt2, torchscript, pickle, tflite, savedmodel, paddle, hf)}
+def paddle3(out: Path) -> Path:
+    """Paddle 3's own format: a PIR program (.json) and its .pdiparams."""
+    import os
+
+    os.environ["FLAGS_enable_pir_api"] = "1"  # noqa: SIM112  (paddle's name; read at import)
+    made = paddle(out)
+    assert made.suffix == ".json", made
+    return made
+
+
+KINDS = {f.__name__: f for f in (pt2, torchscript, pickle, tflite, savedmodel, paddle, paddle3, hf)}
 
 if __name__ == "__main__":
     made = KINDS[sys.argv[1]](Path(sys.argv[2]))

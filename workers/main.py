@@ -33,6 +33,20 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def genai_toolchains(compilable: list[str], converters: dict) -> dict[str, dict[str, str]]:
+    """Target -> the bundle key's toolchain part on this host, for the targets it compiles
+    pipeline bundles for (§17): none without GenAI, or with a GenAI of another release."""
+    if routing.GENAI_CONVERTER not in converters:
+        return {}
+    from farm import genai
+
+    try:
+        return {name: genai.toolchain(Target.parse(name)) for name in compilable}
+    except errors.FarmError as error:
+        log.warning("no pipeline bundles on this worker: %s", error)
+        return {}
+
+
 def run_worker(
     settings: Settings,
     *,
@@ -64,6 +78,9 @@ def run_worker(
     converters = probe_converters()  # stages it can run: torch, optimum (docs §15)
     queues = [
         *routing.worker_queues(toolchains, memory, settings.large_worker_bytes, converters),
+        *routing.worker_bundle_queues(
+            genai_toolchains(compilable, converters), memory, settings.large_worker_bytes
+        ),
         CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"

@@ -16,7 +16,9 @@ from sqlalchemy.exc import OperationalError
 
 from farm.core.config import get_settings
 from farm.core.errors import DatabaseUnavailable, StorageError, WorkDiskFull
-from farm.core.vocabulary import COMPILE_TASK, RECONCILE_TASK
+from farm.core.vocabulary import COMPILE_TASK, RECONCILE_TASK, REFERENCE_TASK
+from farm.server.bundles.builds import BUNDLE_PART_TASK
+from farm.server.bundles.reconcile import reconcile_parts
 from farm.server.context import FarmContext
 from farm.server.jobs.dispatch import Dispatcher
 from farm.server.jobs.reconcile import reconcile
@@ -77,10 +79,69 @@ def compile_job(self, job_id: int) -> None:
     log.info("job %s: %s", job_id, job.state if job else "not found")
 
 
+@shared_task(
+    name=REFERENCE_TASK,
+    bind=True,
+    acks_late=True,
+    ignore_result=True,
+    autoretry_for=INFRASTRUCTURE_ERRORS,
+    retry_backoff=5,
+    retry_backoff_max=300,
+    retry_jitter=True,
+    max_retries=10,
+)
+def reference_blob(self, blob_id: int, attempt: int | None = None) -> None:
+    """A blob's reference run that the reconciler sent again (docs §14); the run after a
+    compile is the compile task's own tail. `attempt`: the one the send granted."""
+    from farm.server.jobs.reference_run import run_reference
+
+    farm = context()
+    state = run_reference(
+        farm.sessions,
+        farm.store,
+        blob_id,
+        farm.run_limits,
+        farm.signer,
+        model_cache=farm.model_cache,
+        granted=attempt,
+    )
+    log.info("blob %s's reference: %s", blob_id, state or "not ours to run")
+
+
 @shared_task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile_jobs() -> None:
     farm = context()
     with farm.session() as session:
         report = reconcile(session, farm.store, farm.settings, dispatcher())
+        parts = reconcile_parts(session, farm.settings, dispatcher())
     if any(vars(report).values()):
         log.info("reconciled: %s", report)
+    if any(vars(parts).values()):
+        log.info("reconciled bundle parts: %s", parts)
+
+
+@shared_task(
+    name=BUNDLE_PART_TASK,
+    bind=True,
+    acks_late=True,
+    ignore_result=True,
+    autoretry_for=INFRASTRUCTURE_ERRORS,
+    retry_backoff=5,
+    retry_backoff_max=300,
+    retry_jitter=True,
+    max_retries=10,
+)
+def bundle_part(self, part_id: int) -> None:
+    """Compile one part of a pipeline bundle (§17) and publish the bundles it completes."""
+    from farm.server.bundles.served import run_part
+
+    farm = context()
+    state = run_part(
+        farm.sessions,
+        farm.store,
+        part_id,
+        worker=farm.worker or socket.gethostname(),
+        limits=farm.run_limits,
+        signer=farm.signer,
+    )
+    log.info("bundle part %s: %s", part_id, state or "not found")

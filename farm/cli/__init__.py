@@ -3,10 +3,15 @@
 Every error a user can meet ends here as one line on stderr (one JSON object with `--json`) and
 a documented exit code: the farm's own errors (`handle_errors`), click's usage errors, and a
 library of an install extra this install lacks (an edge install running an operator command).
+
+A command's module is imported when the command is run (`COMMANDS`), not with the group: `farm
+jobs` loads the listing commands, never what `farm submit`, `farm pull` or the operator
+commands need (issue 30, item 4; tests/unit/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,9 +20,49 @@ import click
 
 from farm.core.errors import FarmError
 
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "agent": ("edge",),
+    "api": ("ops",),
+    "blobs": ("jobs", "quarantine"),
+    "cancel": ("jobs",),
+    "channel": ("channel",),
+    "db": ("ops",),
+    "doctor": ("ops",),
+    "gc": ("ops",),
+    "jobs": ("jobs",),
+    "keys": ("keys",),
+    "logs": ("jobs",),
+    "prebuild": ("channel",),
+    "pull": ("edge",),
+    "reconcile": ("ops",),
+    "run": ("edge",),
+    "status": ("jobs",),
+    "submit": ("submit",),
+    "token": ("ops",),
+    "toolchain": ("toolchain",),
+    "verify": ("verify",),
+    "worker": ("ops",),
+    "workers": ("jobs",),
+}
+"""Each command and the modules of `farm.cli` that define it (and its subcommands)."""
+
+whole_process = False
+"""Whether this run of the group is the `farm` process (arguments from its command line), not
+a call from a program (click's CliRunner): only then may a command end the process itself
+(`os._exit`, `farm.cli.submit`)."""
+
 
 class FarmGroup(click.Group):
-    """The `farm` group: notes `--json` before parsing, so every error can answer in JSON."""
+    """The `farm` group: notes `--json` before parsing, so every error can answer in JSON, and
+    imports a command's module only when the command is asked for (`COMMANDS`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        for module in COMMANDS.get(cmd_name, ()):
+            importlib.import_module(f"farm.cli.{module}")
+        return super().get_command(ctx, cmd_name)
 
     def main(self, args: Sequence[str] | None = None, *rest: Any, **options: Any) -> Any:
         from farm.cli import common
@@ -25,6 +70,8 @@ class FarmGroup(click.Group):
         argv = list(sys.argv[1:] if args is None else args)
         own = argv[: argv.index("--")] if "--" in argv else argv
         common.json_errors = "--json" in own
+        global whole_process
+        whole_process = args is None  # the `farm` process itself, not a caller's CliRunner
         common.notes.clear()
         return super().main(argv, *rest, **options)
 
@@ -59,6 +106,3 @@ class FarmGroup(click.Group):
 @click.version_option(package_name="farm")
 def main() -> None:
     """farm: compile OpenVINO models once, import the blobs everywhere."""
-
-
-from farm.cli import channel, edge, jobs, keys, ops, quarantine, toolchain, verify  # noqa: E402,F401

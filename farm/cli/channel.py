@@ -13,7 +13,7 @@ import click
 
 from farm.cli import main
 from farm.cli.common import backend, emit, err, handle_errors, json_option, out, say, spec_options
-from farm.cli.jobs import specs_from_options
+from farm.cli.submit import specs_from_options
 from farm.core.channels import Entry, check_name
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache

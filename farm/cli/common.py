@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from farm.cli.backends import Backend, open_backend
-from farm.core import compression, keyprefix
+from farm.core import keyprefix
 from farm.core.config import Settings, get_settings
 from farm.core.errors import FarmError, Kind, NeedsDatabase, NotInstalled
 from farm.core.text import printable, redact, size_text
@@ -335,12 +335,16 @@ def print_blob(blob: dict) -> None:
         say(f"compiler   NPU compiler {npu_compiler}")
     if blob.get("reference_sha256"):
         say(f"reference  outputs {size_text(blob.get('reference_size_bytes') or 0)} (farm verify)")
+    elif blob.get("reference_state") == "pending":
+        say("reference  outputs pending: computed after the blob (farm verify waits for them)")
     elif blob.get("reference_note"):
         say(f"reference  {blob['reference_note']}")
     if blob.get("quarantined_at"):
         say(f"QUARANTINED since {str(blob['quarantined_at'])[:19]}: {blob['quarantine_reason']}")
     compressed = blob.get("compression")
     if compressed:
+        from farm.core import compression  # a compressed model's blob only
+
         metrics = compressed.get("metrics") or {}
         what = compressed["args"].get("mode") or compressed["args"].get("precision")
         say(

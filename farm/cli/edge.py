@@ -30,8 +30,8 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.compression import compression_request
-from farm.cli.jobs import source_options, source_ref, specs_from_options
 from farm.cli.pipelines import pipeline_options, pull_folder
+from farm.cli.submit import source_options, source_ref, specs_from_options
 from farm.core import compression, keyprefix
 from farm.core.config import get_settings
 from farm.core.errors import IntegrityMismatch, NotFound

@@ -235,6 +235,15 @@ def gc(unpulled_days: int, dry_run: bool, as_json: bool) -> None:
         if report.models:
             size = size_text(report.model_bytes)
             out.print(f"{verb} {len(report.models)} model files no job names, {size}")
+        for bundle in report.bundles:
+            last = str(bundle.last_used_at)[:19]
+            out.print(
+                f"{verb} bundle {bundle.bundle_key} {bundle.pipeline} {bundle.target}, last "
+                f"submitted or pulled {last}"
+            )
+        if report.bundle_files:
+            size = size_text(report.bundle_file_bytes)
+            out.print(f"{verb} {len(report.bundle_files)} bundle files no bundle lists, {size}")
         if report.pending:
             state = "waiting for deletion" if dry_run else "still in storage (gc retries them)"
             out.print(f"{len(report.pending)} objects {state}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -11,7 +12,7 @@ import click
 from farm.cli.backends import Backend
 from farm.cli.common import backend, emit, progress_bar, say, size_text
 from farm.core.config import get_settings
-from farm.core.errors import SpecError
+from farm.core.errors import FarmError, Kind, NotFound, SpecError, WaitTimeout
 from farm.core.pipelines import (
     KINDS,
     GenAIOptions,
@@ -94,11 +95,25 @@ def folder_and_options(
 
 
 def submit_folder(folder: Path, options: dict[str, Any], as_json: bool) -> None:
+    """`farm submit FOLDER`: the embedded farm compiles the bundle now and answers with it; the
+    served farm (the API) queues its parts for workers and answers with the build (`--wait`
+    follows it to its end)."""
     pipeline, genai = folder_and_options(folder, options)
-    signed = backend().submit_pipeline(pipeline, genai)
-    manifest = signed["manifest"]
+    farm = backend()
+    answer = farm.submit_pipeline(pipeline, genai)
+    if "manifest" not in answer:  # a build queued on the served farm
+        if options.get("wait") and answer["state"] not in BUILD_FINAL:
+            answer = wait_for_build(
+                farm, answer["bundle_key"], float(options.get("wait_timeout") or 0)
+            )
+        emit_build(answer, as_json)
+        if answer["state"] == "failed":
+            raise BundleFailed(f"bundle {answer['bundle_key']} failed: {answer['error']}")
+        return
+    manifest = answer["manifest"]
     data = {
         "bundle_key": manifest["bundle_key"],
+        "state": "done",
         "pipeline": manifest["pipeline"],
         "target": manifest["target"],
         "files": len(manifest["files"]),
@@ -113,6 +128,53 @@ def submit_folder(folder: Path, options: dict[str, Any], as_json: bool) -> None:
         )
 
     emit(data, as_json, human)
+
+
+class BundleFailed(FarmError):
+    """A bundle's build failed (a part did not compile): its reason."""
+
+    kind, code = Kind.JOB_FAILED, "bundle_failed"
+
+
+BUILD_FINAL = ("done", "failed")
+BUILD_POLL_SECONDS = 1.0
+
+
+def wait_for_build(farm: Backend, bundle_key: str, timeout: float) -> dict[str, Any]:
+    """Poll a bundle's build until it is done or failed (`timeout` seconds, 0: no limit)."""
+    started = time.monotonic()
+    while True:
+        build = farm.bundle_build(bundle_key)
+        if build is None:
+            raise NotFound(f"the farm was never asked for bundle {bundle_key}")
+        if build["state"] in BUILD_FINAL:
+            return build
+        if timeout and time.monotonic() - started > timeout:
+            raise WaitTimeout(
+                f"gave up waiting for bundle {bundle_key}: still {build['state']} after "
+                f"{timeout:.0f} s (--wait-timeout); its parts go on (farm status {bundle_key})"
+            )
+        time.sleep(BUILD_POLL_SECONDS)
+
+
+def emit_build(build: dict[str, Any], as_json: bool) -> None:
+    """A bundle's build: its state and each part's (`farm submit FOLDER`, `farm status KEY`)."""
+
+    def human() -> None:
+        say(
+            f"bundle {build['bundle_key']} ({build['pipeline']} for {build['target']}): "
+            f"{build['state']}"
+        )
+        if build.get("error"):
+            say(f"  error: {build['error']}")
+        for part in build["parts"]:
+            where = f" on {part['worker']}" if part.get("worker") else ""
+            say(
+                f"  part {part['name']} {part['part_key'][:12]}: {part['state']}{where} "
+                f"(queue {part['queue']})"
+            )
+
+    emit(build, as_json, human)
 
 
 def pull_folder(

@@ -24,7 +24,7 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.edge import edge_agent, key_of
-from farm.cli.jobs import source_options
+from farm.cli.submit import source_options
 from farm.core.config import get_settings
 
 _KEY = re.compile(r"^[0-9a-fA-F]{8,64}$")
@@ -76,6 +76,15 @@ def verify_ready_folder(ready: Path, as_json: bool) -> None:
     help="The model's .bin, for a weightless blob verified by cache key.",
 )
 @click.option("--allow-quarantined", is_flag=True, help="Verify a quarantined blob too.")
+@click.option(
+    "--wait",
+    "wait_seconds",
+    type=click.FloatRange(min=0),
+    default=120,
+    show_default=True,
+    help="Seconds to wait for reference outputs still being computed (they follow the blob); "
+    "past that, exit 4: not judged yet.",
+)
 @json_option
 @handle_errors
 def verify(
@@ -86,6 +95,7 @@ def verify(
     min_cosine: float | None,
     weights: Path | None,
     allow_quarantined: bool,
+    wait_seconds: float,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -97,7 +107,8 @@ def verify(
     Exit 0 within tolerance; 9 when outside it (the only outcome that counts against the
     blob); 4 when the verification could not judge it (OpenVINO would not import it here: out
     of memory, a missing device library; the reference inputs do not fit; reported, never
-    counted against it), or this machine has no device of the blob's class (nothing reported).
+    counted against it), or this machine has no device of the blob's class, or its reference
+    outputs are still being computed past --wait (nothing reported: not judged yet).
     KEY_OR_MODEL may be a ready pipeline folder (`farm pull FOLDER -o DIR`): its pipeline runs a
     fixed input with greedy decoding and must give the tokens recorded at compile time."""
     from farm.core.bundles import MANIFEST_NAME  # signing (cryptography): only for a bundle
@@ -124,6 +135,7 @@ def verify(
         overrides={"atol": atol, "rtol": rtol, "min_cosine": min_cosine},
         weights=weights or model_bin,
         record=record,
+        wait_seconds=wait_seconds,
     )
     tolerance = result.tolerance
     data = {

@@ -1,22 +1,36 @@
-"""Settings from the environment (prefix ``FARM_``). Unset means the embedded default."""
+"""Settings from the environment (prefix ``FARM_``). Unset means the embedded default.
+
+`SettingsFields` declares every setting once: its name, type, default and meaning. `Settings`
+reads them from the environment without pydantic when every ``FARM_`` value is in its plain
+form (a decimal integer, ``true``/``false``/``0``/``1``, a path, a URL): the CLI's read
+commands start without loading pydantic (issue 30, item 4; bench/startup.py). Any other value,
+and any settings given as arguments, go through `farm.core.validated.ValidatedSettings`
+(pydantic-settings over the same declaration), which takes what pydantic takes and refuses what
+it refuses, with its messages. tests/unit/test_config.py checks that both readers agree.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Any
 
 from farm.core.text import strip_userinfo, url_password
 
+ENV_PREFIX = "FARM_"
 LIBPQ_SCHEMES = ("postgresql", "postgres")
 """The schemes of a libpq connection URL, which `psql` takes as FARM_DATABASE_URL does."""
 
+BOUNDS: dict[str, tuple[int, int]] = {"status_lifetime_seconds": (60, 366 * 86400)}
+"""Settings with a range: (least, most), inclusive."""
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FARM_", extra="ignore")
+
+class SettingsFields:
+    """Every setting: its name, type, default and meaning (read by `Settings` and
+    `ValidatedSettings` alike)."""
 
     home: Path = Path(".farm")
     """Embedded mode keeps its SQLite database and blob folder here."""
@@ -189,15 +203,67 @@ class Settings(BaseSettings):
     gave it beside it (``<path>.cert``, `farm keys create-status`). Unset: both are signed
     with FARM_SIGNING_KEY where this host holds it (the embedded farm, a one-host farm), else
     not at all, and edges of this version refuse every blob and channel of this farm."""
-    status_lifetime_seconds: int = Field(3600, ge=60, le=366 * 86400)
+    status_lifetime_seconds: int = 3600
     """How long an edge may act on a blob status the API signed (whether the farm still offers
     the blob, or quarantined it): the longest a replayed old answer, or a quarantine a proxy
     hides, can work. Edges ask on every pull, so this costs nothing online."""
 
-    @field_validator("s3_endpoint_url")
-    @classmethod
-    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
-        return strip_userinfo(url) if url else url
+
+_PLAIN: dict[str, re.Pattern[str]] = {
+    "int": re.compile(r"-?(0|[1-9][0-9]*)"),
+    "float": re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?"),
+    "bool": re.compile(r"true|false|0|1"),
+}
+"""The plain forms `Settings` reads itself, by type; every other form goes to pydantic."""
+
+
+FIELD_TYPES: dict[str, str] = {
+    name: str(annotation).partition(" | ")[0]
+    for name, annotation in SettingsFields.__annotations__.items()
+}
+"""Each setting's type: ``str``, ``int``, ``float``, ``bool`` or ``Path`` (or that or None)."""
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(kind: str, text: str) -> Any:
+    """`text` as a setting of type `kind`, or `_NOT_PLAIN` if pydantic must read it (any
+    type but these five: a setting of another type is always read by pydantic)."""
+    if kind in ("str", "Path"):
+        return Path(text) if kind == "Path" else text
+    pattern = _PLAIN.get(kind)
+    if pattern is None or pattern.fullmatch(text) is None:
+        return _NOT_PLAIN
+    if kind == "bool":
+        return text in ("true", "1")
+    return int(text) if kind == "int" else float(text)
+
+
+class Settings(SettingsFields):
+    """The settings of this process: the environment's ``FARM_*`` variables, then `overrides`
+    (keyword arguments, by setting name)."""
+
+    def __init__(self, **overrides: Any) -> None:
+        values = None if overrides else _read_plain(os.environ)
+        if values is None:
+            from farm.core.validated import ValidatedSettings  # pydantic: only when needed
+
+            validated = ValidatedSettings(**overrides)
+            values = {name: getattr(validated, name) for name in FIELD_TYPES}
+        for name, value in values.items():
+            setattr(self, name, value)
+        if self.s3_endpoint_url:
+            self.s3_endpoint_url = strip_userinfo(self.s3_endpoint_url)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None) -> Settings:
+        """These settings with `update` applied (validated), as pydantic's `model_copy`."""
+        fields = {name: getattr(self, name) for name in FIELD_TYPES}
+        return Settings(**{**fields, **(update or {})})
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in FIELD_TYPES)
+        return f"Settings({shown})"
 
     @property
     def secrets(self) -> list[str]:
@@ -244,6 +310,31 @@ class Settings(BaseSettings):
     @property
     def trusted_key_paths(self) -> list[Path]:
         return [Path(p.strip()) for p in (self.trusted_keys or "").split(",") if p.strip()]
+
+
+def _read_plain(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The settings `environ` gives, each one it sets in its plain form; None when some value is
+    not (pydantic then reads them all), or when two variables differ only in case."""
+    given: dict[str, str] = {}
+    for variable, text in environ.items():
+        name = variable.lower()
+        if name.startswith(ENV_PREFIX.lower()) and name[len(ENV_PREFIX) :] in FIELD_TYPES:
+            if name in given:
+                return None
+            given[name] = text
+    values: dict[str, Any] = {}
+    for name, kind in FIELD_TYPES.items():
+        found = given.get(ENV_PREFIX.lower() + name)
+        if found is None:
+            values[name] = getattr(SettingsFields, name)
+            continue
+        value = _plain(kind, found)
+        if value is _NOT_PLAIN:
+            return None
+        if name in BOUNDS and not BOUNDS[name][0] <= value <= BOUNDS[name][1]:
+            return None
+        values[name] = value
+    return values
 
 
 def get_settings() -> Settings:

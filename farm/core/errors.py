@@ -222,6 +222,13 @@ class CompilerUnavailable(FarmError, RuntimeError):
     """What the compiler printed before it gave up, when it ran in a child (the sandbox)."""
 
 
+class ReferencePending(FarmError):
+    """The blob's reference outputs are still being computed (they follow the blob): a
+    verification cannot judge it yet. Never a failure of the blob."""
+
+    kind, code = Kind.CANNOT_RUN_HERE, "reference_pending"
+
+
 class Incompatible(FarmError):
     """This host cannot import the blob (another OpenVINO, target or CPU runtime)."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,8 @@ def detect(folder: str | Path, kind: str | None = None) -> PipelineFolder:
         if not (root / _bin_of(ir)).is_file():
             raise PipelineError(f"{root / _bin_of(ir)}: the weights of {ir} are missing")
     _check_same_export(root, parts)
+    if kind == "text2image":
+        _check_denoiser_fits(root, parts)
     files = {
         path.relative_to(root).as_posix(): path
         for path in sorted(root.rglob("*"))
@@ -284,6 +286,50 @@ def _check_same_export(root: Path, parts: Mapping[str, str]) -> None:
                 )
 
 
+def _config(root: Path, part: str) -> dict[str, Any] | None:
+    path = root / Path(part).parent / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise PipelineError(f"{path}: not readable JSON: {error}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _check_denoiser_fits(root: Path, parts: Mapping[str, str]) -> None:
+    """A UNet takes the VAE's latents and the text encoders' hidden states: sub-models of two
+    different models (a VAE of 16 latent channels beside a UNet of 4) are refused naming both
+    config files. Checked where the configs say (a transformer's layout differs: not checked)."""
+    denoiser = parts["denoiser"]
+    unet = _config(root, denoiser) if denoiser.startswith("unet/") else None
+    if unet is None:
+        return
+    where = f"{root / Path(denoiser).parent / 'config.json'}"
+    vae = _config(root, parts["vae_decoder"])
+    latents, channels = (vae or {}).get("latent_channels"), unet.get("in_channels")
+    if isinstance(latents, int) and isinstance(channels, int) and latents != channels:
+        raise PipelineError(
+            f"{where}: mismatched sub-models: the UNet takes {channels} latent channels, the "
+            f"VAE decoder ({root / 'vae_decoder' / 'config.json'}) makes {latents}; export the "
+            "whole folder again from one model"
+        )
+    encoders = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if n in parts]
+    sizes = [(_config(root, parts[n]) or {}).get("hidden_size") for n in encoders]
+    width = unet.get("cross_attention_dim")
+    if isinstance(width, int) and sizes and all(isinstance(n, int) for n in sizes):
+        total = sum(int(n) for n in sizes if isinstance(n, int))
+        if total != width:
+            named = ", ".join(
+                f"{n}/config.json hidden_size {h}" for n, h in zip(encoders, sizes, strict=True)
+            )
+            raise PipelineError(
+                f"{where}: mismatched sub-models: the UNet attends to {width}-wide text "
+                f"states, its text encoders give {total} ({named}); export the whole folder "
+                "again from one model"
+            )
+
+
 def identity(
     folder: PipelineFolder, progress: Callable[[int], None] | None = None
 ) -> dict[str, str]:
@@ -309,8 +355,9 @@ NPU_DEFAULTS: dict[str, Any] = {
 NPU_LLM_OPTIONS = tuple(NPU_DEFAULTS)
 MAX_TOKENS = 1 << 20
 CPU_ATTENTION_BACKEND = "SDPA"
-"""CPU LLMs are compiled and opened with ATTENTION_BACKEND=SDPA: with GenAI's default (PA) the
-cache entry is named from the folder's path and rewritten at every start (docs/openvino.md)."""
+"""CPU LLMs and VLMs are compiled and opened with ATTENTION_BACKEND=SDPA: with GenAI's default (PA)
+the language model's cache entry is named from the folder's path and rewritten at every start
+(docs/openvino.md)."""
 
 _FLAGS = {
     "max_prompt_len": "--max-prompt-len",
@@ -387,7 +434,7 @@ class GenAIOptions:
                     f"multiples of {NPU_TOKEN_ALIGNMENT}) is {prompt + response} tokens; the "
                     f"model takes at most {context_length} (config.json); lower them"
                 )
-        elif kind == "llm" and not target.is_npu:
+        elif kind in ("llm", "vlm") and not target.is_npu:
             values["attention_backend"] = CPU_ATTENTION_BACKEND
         return cls(kind=kind, target=target, values=values)
 
@@ -454,11 +501,17 @@ COMPILE_MEMORY_BASE_BYTES = 512 << 20
 
 def compile_memory_bytes(folder: PipelineFolder, target: Target) -> int:
     """The memory a worker needs to compile `folder` for `target` (an estimate from weights)."""
+    return memory_for_weights(folder.kind, folder.weights_bytes(), target)
+
+
+def memory_for_weights(kind: str, weights_bytes: int, target: Target) -> int:
+    """The compile-memory estimate of `weights_bytes` of a `kind` pipeline (or of one of its
+    parts) for `target`."""
     if target.is_npu:
-        factor = COMPILE_MEMORY_FACTOR["npu_llm" if folder.kind in ("llm", "vlm") else "npu"]
+        factor = COMPILE_MEMORY_FACTOR["npu_llm" if kind in ("llm", "vlm") else "npu"]
     else:
         factor = COMPILE_MEMORY_FACTOR["cpu"]
-    return COMPILE_MEMORY_BASE_BYTES + int(folder.weights_bytes() * factor)
+    return COMPILE_MEMORY_BASE_BYTES + int(weights_bytes * factor)
 
 
 def check_memory(folder: PipelineFolder, target: Target, largest_bytes: int | None) -> int:
@@ -531,8 +584,9 @@ def part_key(
     options: Mapping[str, Any],
     toolchain: Mapping[str, str],
 ) -> str:
-    """One sub-model's compiled form: the same VAE in two pipelines has one part key, so it
-    compiles once. `model` is ``{"xml": sha256, "bin": sha256}``."""
+    """One part's compiled form: the same VAE in two pipelines has one part key, so it compiles
+    once. `model` is the part's files by sha256 (`part_model`; ``{"xml": sha256, "bin": sha256}``
+    in the golden vector)."""
     document = {
         "v": BUNDLE_KEY_VERSION,
         "pipeline": kind,
@@ -547,6 +601,48 @@ def part_key(
 
 def part_identity(folder_identity: Mapping[str, str], xml: str) -> dict[str, str]:
     return {"xml": folder_identity[xml], "bin": folder_identity[_bin_of(xml)]}
+
+
+WHOLE_PIPELINE = "pipeline"
+"""The part that is the whole pipeline as GenAI compiles it."""
+SEPARATE_SUB_MODELS = {
+    "text2image": ("text_encoder", "unet", "vae_decoder"),
+}
+"""The sub-models that compile apart, each a part whose cache entry the pipeline then loads
+(measured: docs/openvino.md, "Parts"). Only a Stable Diffusion layout (one CLIP text encoder, a
+UNet, the VAE decoder) on CPU: SDXL/SD3/Flux layouts, LLMs, VLMs and Whisper (GenAI transforms
+the language model and the Whisper decoder before compiling) and every NPU export compile as
+one part."""
+SUB_MODEL_FILES = ("openvino_model.xml", "openvino_model.bin", "config.json")
+"""What a sub-model part compiles, in its folder: the IR and the config GenAI reads with it
+(the VAE's scaling factor is compiled into the model)."""
+
+
+def part_files(kind: str, files: Iterable[str], target: Target) -> dict[str, list[str]]:
+    """The parts of a pipeline with `files` (relative paths) for `target`: part name -> the
+    relative paths it compiles. Either the sub-models that compile apart (`SEPARATE_SUB_MODELS`)
+    or the whole pipeline (`WHOLE_PIPELINE`: every file). Pure: the farm plans from digests."""
+    every = sorted(files)
+    subs = SEPARATE_SUB_MODELS.get(kind)
+    if subs is None or target.is_npu:
+        return {WHOLE_PIPELINE: every}
+    models = {path.split("/")[0] for path in every if path.endswith("/openvino_model.xml")}
+    optional = {"vae_encoder"}  # present in an export, not loaded by Text2ImagePipeline
+    if models - optional != set(subs):  # another layout (SDXL, SD3, Flux, ...): one part
+        return {WHOLE_PIPELINE: every}
+    parts = {sub: [f"{sub}/{name}" for name in SUB_MODEL_FILES] for sub in subs}
+    if any(path not in every for paths in parts.values() for path in paths):
+        return {WHOLE_PIPELINE: every}
+    return parts
+
+
+def part_model(files: Mapping[str, str], name: str) -> dict[str, str]:
+    """The ``model`` of a part's key: a sub-model's files by their name in its own folder (the
+    same VAE in two pipelines has one key); the whole pipeline's files as they are."""
+    if name == WHOLE_PIPELINE:
+        return dict(files)
+    prefix = f"{name}/"
+    return {path[len(prefix) :]: sha for path, sha in files.items() if path.startswith(prefix)}
 
 
 GENAI_TOOLS = ("openvino", "openvino_genai", "openvino_tokenizers")

@@ -25,6 +25,8 @@ IR, ONNX = "ir", "onnx"
 TFLITE, PADDLE, SAVEDMODEL, FROZEN_PB = "tflite", "paddle", "savedmodel", "pb"
 PT2, TORCHSCRIPT, HUGGINGFACE = "pt2", "torchscript", "huggingface"
 
+PADDLE_PIR = "pir"
+"""A Paddle 3 program (`.json`, PIR): format `paddle`, its convert stage's `program`."""
 NATIVE_FORMATS = (TFLITE, PADDLE, SAVEDMODEL, FROZEN_PB)
 """Read by OpenVINO's own frontends: converting them needs no framework on the worker."""
 TORCH_FORMATS = (PT2, TORCHSCRIPT)

@@ -33,6 +33,8 @@ from farm.core.sources import (
     COMPILED_FORMATS,
     FORMATS,
     HUGGINGFACE,
+    PADDLE,
+    PADDLE_PIR,
     TORCH_FORMATS,
     Source,
     format_of,
@@ -71,6 +73,8 @@ class Converter:
 CONVERTERS: dict[str, Converter] = {
     "torch": Converter("torch", ("torch",), "convert"),
     "optimum": Converter("optimum", ("optimum-intel", "transformers", "torch"), "convert"),
+    # Paddle 3's .json (PIR) programs, which OpenVINO does not read: paddle2onnx, then ONNX.
+    "paddle": Converter("paddle", ("paddle2onnx", "paddlepaddle"), "convert"),
     # GenAI pipeline bundles (§17): compiled by the releases the edge opens them with.
     "genai": Converter("genai", ("openvino-genai", "openvino-tokenizers"), "genai"),
 }
@@ -155,6 +159,8 @@ def source_recipe(identity: Mapping[str, str], data: Any) -> Recipe:
         raise SpecError(
             f"the convert stage is for {recipe[0].args['format']}, but the files are {fmt}"
         )
+    if fmt == PADDLE and (recipe[0].args.get("program") == PADDLE_PIR) != ("json" in identity):
+        raise SpecError("a Paddle 3 .json program converts with program pir, a .pdmodel without")
     return recipe
 
 
@@ -285,13 +291,20 @@ def _example(entry: Any) -> dict[str, Any]:
 def _convert_args(args: Mapping[str, Any]) -> dict[str, Any]:
     spellings = {"example-input": "example_input", "example_inputs": "example_input"}
     args = {spellings.get(k, k): v for k, v in args.items()}
-    unknown = set(args) - {"format", "example_input", "task"}
+    unknown = set(args) - {"format", "example_input", "task", "program"}
     if unknown:
-        raise SpecError(f"convert takes format, example_input and task, not {sorted(unknown)}")
+        raise SpecError(
+            f"convert takes format, example_input, task and program, not {sorted(unknown)}"
+        )
     fmt = str(args.get("format") or "")
     if fmt not in FORMATS:
         raise SpecError(f"convert: unknown source format {fmt!r}; known: {', '.join(FORMATS)}")
     canonical: dict[str, Any] = {"format": fmt}
+    program = args.get("program")
+    if program:
+        if fmt != PADDLE or program != PADDLE_PIR:
+            raise SpecError(f"convert: program {program!r} is for Paddle 3 (.json) sources: pir")
+        canonical["program"] = PADDLE_PIR
     examples = args.get("example_input") or []
     if examples:
         if fmt not in TORCH_FORMATS:
@@ -315,14 +328,20 @@ def _convert_needs(args: Mapping[str, Any]) -> str | None:
         return "torch"
     if args["format"] == HUGGINGFACE:
         return "optimum"
+    if args.get("program") == PADDLE_PIR:
+        return "paddle"
     return None
 
 
 CONVERT = register(StageKind("convert", _convert_args, _convert_needs))
 
 
-def convert_stage(fmt: str, example_input: Sequence[Any] = (), task: str | None = None) -> Stage:
+def convert_stage(
+    fmt: str, example_input: Sequence[Any] = (), task: str | None = None, program: str = ""
+) -> Stage:
     args: dict[str, Any] = {"format": fmt}
+    if program:
+        args["program"] = program
     if example_input:
         args["example_input"] = list(example_input)
     if task:
@@ -350,7 +369,8 @@ def recipe_for(
                 "give --task (text-generation-with-past, text-classification, "
                 "feature-extraction, ...)"
             )
-    return (convert_stage(source.format, example_input, task),)
+    program = PADDLE_PIR if source.format == PADDLE and "json" in source.files else ""
+    return (convert_stage(source.format, example_input, task, program),)
 
 
 # --- the compress and quantize stages (farm/core/compression.py, §15) ---------------------------

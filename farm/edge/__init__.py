@@ -2,6 +2,7 @@
 
     import farm.edge
     compiled = farm.edge.compile_model("unet.xml", device="4000", tiles=4)
+    compiled = farm.edge.compile_model("unet.pt2", device="4000")  # converted on the farm
 
 Needs `FARM_API_URL` (and a `pull` token in `FARM_TOKEN`); installs with ``farm[edge]``
 (openvino and an HTTP client, no compiler, database, broker or storage client).
@@ -10,6 +11,7 @@ Needs `FARM_API_URL` (and a `pull` token in `FARM_TOKEN`); installs with ``farm[
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -22,6 +24,7 @@ from farm.core.errors import BlobNotAvailable, Incompatible, NotFound, Verificat
 from farm.core.filecache import BlobCache
 from farm.core.identity import ModelRef, key_for
 from farm.core.signing import TrustedKeys, public_key_path
+from farm.core.sourceref import source_ref
 from farm.core.spec import CompileSpec
 from farm.edge.agent import EdgeAgent
 from farm.edge.channel import ChannelSource, ChannelSync, sync_channel
@@ -67,6 +70,8 @@ def compile_model(
     model_path: str | Path,
     device: str = "CPU",
     *,
+    example_input: str | Sequence[str | Mapping[str, Any]] = (),
+    task: str | None = None,
     fallback: Literal["compile"] | None = None,
     submit: bool = False,
     verify: bool = False,
@@ -76,9 +81,18 @@ def compile_model(
     """A ready `openvino.CompiledModel` for `model_path` compiled for `device` with `spec`
     (the keyword arguments of `CompileSpec.create`: tiles, performance_hint, shapes...).
 
+    `model_path`: any source the farm converts (docs §15) as well as IR and ONNX: a `.pt2`,
+    a TorchScript archive, a `.tflite`, a Paddle model, a SavedModel or frozen `.pb`, a
+    Hugging Face folder. `example_input` and `task` are `farm submit`'s `--example-input`
+    (``"x[1,3,224,224]:f32"``) and `--task`: the key is computed from the source and its
+    recipe offline (`farm.core.sourceref.source_ref`, as `farm pull SOURCE` does), without
+    torch, transformers or any framework here.
+
     Pulls the farm's blob for the key this machine computes. When the farm has none, raises
     `BlobNotAvailable`, unless `fallback="compile"`: then compiles here (and with
-    `submit=True` also submits the model, so the rest of the fleet gets the blob).
+    `submit=True` also submits the model, so the rest of the fleet gets the blob); a source
+    that needs converting cannot be compiled here (the edge has no converter): it is then
+    submitted when `submit=True`, and `BlobNotAvailable` says so.
     `verify=True` first verifies the blob against its reference outputs on this device, once
     per device (`farm.edge.verify.verify_once`), and raises `VerificationFailed` when it does
     not compute them (the farm then quarantines it). The returned model keeps its
@@ -88,15 +102,17 @@ def compile_model(
     # Digests through the cache `farm submit` and `farm pull MODEL` use (path, size, mtime):
     # hashing a 512 MB .bin on every start took as long as importing the blob (bench/edge.py).
     digests = digest_cache(get_settings().cache_dir)
-    ref = ModelRef.from_path(model_path, digests=digests.sha256)
-    key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target))
+    ref, _ = source_ref(model_path, example_input, task, digests=digests.sha256)
+    key = key_for(ref.identity, compile_spec, host_toolchain(compile_spec.target), ref.recipe)
+    # A weightless blob takes the IR's weights; a converted source's IR is the farm's.
+    weights = None if ref.recipe else ref.files.get("bin")
     owned = agent is None
     agent = agent or agent_from_settings()
     try:
         try:
             if verify:
-                _verify(agent, key, compile_spec.target.device, ref.files.get("bin"))
-            imported = agent.load(key, compile_spec.target.device, ref.files.get("bin"))
+                _verify(agent, key, compile_spec.target.device, weights)
+            imported = agent.load(key, compile_spec.target.device, weights)
         except NotFound:
             if fallback != "compile":
                 raise BlobNotAvailable(
@@ -149,6 +165,12 @@ def _compile_here(ref: ModelRef, spec: CompileSpec, submit_with: EdgeAgent | Non
         if not isinstance(submit_with.source, FarmClient):
             raise BlobNotAvailable("submit=True needs the farm API (FARM_API_URL)")
         submit_with.source.submit_model(ref, [spec], host_toolchain(spec.target))
+    if ref.recipe:
+        submitted = " (submitted: the farm converts and compiles it)" if submit_with else ""
+        raise BlobNotAvailable(
+            f"the farm has no blob for {ref.name} ({spec.summary()}) and this edge cannot "
+            f"compile it: it needs converting on the farm first{submitted}"
+        )
     core = ov.Core()
     model = read_model(core, ref.files)
     apply_shapes(model, spec)

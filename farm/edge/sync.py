@@ -1,13 +1,22 @@
 """Fleet sync: pull everything a manifest lists, report what the farm does not have yet.
 
 A manifest is TOML (standard library), one table per model and spec; paths are relative to
-the manifest; the other keys are `CompileSpec.create`'s:
+the manifest; `path` names any source the farm converts (docs §15: IR, ONNX, `.pt2`,
+TorchScript, `.tflite`, Paddle, SavedModel, a Hugging Face folder), with `example_input` and
+`task` as `farm submit` takes them; the other keys are `CompileSpec.create`'s:
 
     [[model]]
     path = "models/unet.xml"
     device = "4000"
     tiles = 4
     shapes = ["sample[1,4,64,64]"]
+
+    [[model]]
+    path = "models/encoder.pt2"
+    device = "CPU"
+    example_input = ["x[1,3,224,224]:f32"]
+
+The key comes from the source offline (`farm.core.sourceref.source_ref`, as `farm pull`).
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from farm.core.errors import Incompatible, NotFound
-from farm.core.identity import ModelRef, key_for
+from farm.core.identity import key_for
+from farm.core.sourceref import source_ref
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.edge.agent import EdgeAgent
 from farm.edge.verify import verify_once
@@ -33,6 +43,10 @@ class ManifestEntry:
     toolchain: Toolchain | None = None
     """From the entry's `toolchain` file (`farm toolchain --json`): the blob for edges with that
     toolchain (staged here for them); None: this machine's own."""
+    example_input: tuple[str, ...] = ()
+    """A source's `--example-input`s (PyTorch); part of its recipe, so of its key."""
+    task: str | None = None
+    """A Hugging Face folder's `--task` (default: from its config.json)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +81,21 @@ def load_manifest(path: Path) -> list[ManifestEntry]:
         toolchain = None
         if "toolchain" in table:
             toolchain = _toolchain_file(path.parent / table.pop("toolchain"), where)
+        example_input = table.pop("example_input", [])
+        if isinstance(example_input, str):
+            example_input = [example_input]
+        task = table.pop("task", None)
+        if not all(isinstance(value, str) for value in example_input):
+            raise SpecError(f"{where}: example_input takes strings like 'x[1,3,224,224]:f32'")
+        if task is not None and not isinstance(task, str):
+            raise SpecError(f"{where}: task takes a string (text-classification, ...)")
         try:
             spec = CompileSpec.create(table.pop("device"), **table)
         except TypeError as error:
             raise SpecError(f"{where}: {error}") from None
         except SpecError as error:
             raise SpecError(f"{where}: {error}") from None
-        entries.append(ManifestEntry(model, spec, toolchain))
+        entries.append(ManifestEntry(model, spec, toolchain, tuple(example_input), task))
     return entries
 
 
@@ -96,13 +118,15 @@ def sync_once(
     for entry in entries:
         label, summary, key = str(entry.model), entry.spec.summary(), None
         try:
-            ref = ModelRef.from_path(entry.model)
+            ref, _ = source_ref(entry.model, entry.example_input, entry.task)
             toolchain = entry.toolchain or host_toolchain(entry.spec.target)
-            key = key_for(ref.identity, entry.spec, toolchain)
+            key = key_for(ref.identity, entry.spec, toolchain, ref.recipe)
+            # A weightless blob takes the IR's weights; a converted source's IR is the farm's.
+            weights = None if ref.recipe else ref.files.get("bin")
             fetched = agent.fetch(key)
             detail = None
             if do_verify:
-                outcome = verify_once(agent, key, weights=ref.files.get("bin"))
+                outcome = verify_once(agent, key, weights=weights)
                 if outcome is None:
                     detail = "not verified: the blob has no reference outputs"
                 elif outcome["error"]:  # could not judge the blob: this machine's error
@@ -113,7 +137,7 @@ def sync_once(
                     results.append(SyncResult(label, summary, "failed", key, why))
                     continue
             if do_import:
-                agent.load(key, weights=ref.files.get("bin"), blob=fetched.blob)
+                agent.load(key, weights=weights, blob=fetched.blob)
             elif fetched.downloaded:  # a verification is not a pull; gc counts pulls
                 agent.report_download(key)
             results.append(

@@ -7,6 +7,11 @@ farm with the device's full name and driver. A failed verification quarantines t
 farm: the first device that catches a bad blob stops it spreading. A verification is recorded as
 such, not as a pull: pulls count what apps use (`farm gc` reads them). docs/architecture.md §14.
 
+A blob's reference outputs follow the blob (its job succeeds when the blob is stored): while
+they are `pending` a verification waits for them (`wait_for_reference`, up to `wait_seconds`),
+then, still pending, it has not judged the blob (`ReferencePending`, exit 4): never a failure,
+never reported, never a quarantine. A blob whose reference was skipped has none: a refusal.
+
 Edge-safe: OpenVINO and numpy only, through the agent's `BlobSource`.
 """
 
@@ -28,7 +33,13 @@ import numpy as np
 import openvino as ov
 
 from farm.core import hashing
-from farm.core.errors import BlobNotAvailable, FarmError, Incompatible, IntegrityMismatch
+from farm.core.errors import (
+    BlobNotAvailable,
+    FarmError,
+    Incompatible,
+    IntegrityMismatch,
+    ReferencePending,
+)
 from farm.core.reference import (
     Reference,
     Tolerance,
@@ -47,6 +58,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RUNS = 10
 WARMUP_RUNS = 1
+REFERENCE_WAIT_SECONDS = 120.0
+"""How long a verification waits for reference outputs still being computed (`--wait`)."""
+REFERENCE_POLL_SECONDS = (0.25, 5.0)
+"""Resolve again after the first figure, doubling up to the second, while they are pending."""
+PENDING = "pending"
 
 
 @dataclass
@@ -126,6 +142,7 @@ def verify_blob(
     weights: Path | None = None,
     report: bool = True,
     record: dict[str, Any] | None = None,
+    wait_seconds: float = REFERENCE_WAIT_SECONDS,
 ) -> Verification:
     """Verify the blob of `cache_key` on `device` (default: its target's) and report it (unless
     `report` is False). `overrides`: atol, rtol or min_cosine instead of the defaults.
@@ -138,8 +155,9 @@ def verify_blob(
     run raise and report nothing: the record's (signature, digest, status, quarantine), no
     reference outputs, no such device on this machine, a device of another class than the
     blob's target, a weightless blob without its model's own `.bin`. `record`: the farm's
-    record of the blob, when the caller resolved it already."""
-    record = record or agent.resolve(cache_key)
+    record of the blob, when the caller resolved it already. Reference outputs still pending
+    are waited for up to `wait_seconds`, then `ReferencePending` (nothing reported)."""
+    record = wait_for_reference(agent, cache_key, record, wait_seconds)
     fetched = agent.fetch(cache_key, blob=record)
     blob = fetched.blob
     target = Target.parse(blob["target"])
@@ -223,18 +241,54 @@ def _import(agent: EdgeAgent, cache_key: str, device: str, weights, record):
     raise HarnessError(f"could not import the blob on {device}: {cause} ({said})", text)
 
 
+def wait_for_reference(
+    agent: EdgeAgent,
+    cache_key: str,
+    record: dict[str, Any] | None = None,
+    wait_seconds: float = REFERENCE_WAIT_SECONDS,
+) -> dict[str, Any]:
+    """The blob's record once its reference outputs are no longer pending (ready, or none
+    will come), resolving again while they are, up to `wait_seconds`; `ReferencePending`
+    past that: the verification has not judged the blob yet."""
+    record = record or agent.resolve(cache_key)
+    deadline = time.monotonic() + wait_seconds
+    pause = REFERENCE_POLL_SECONDS[0]
+    while record.get("reference_state") == PENDING:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ReferencePending(
+                f"blob {cache_key}'s reference outputs are still being computed (they follow "
+                f"the blob; waited {wait_seconds:g} s): not judged yet, nothing reported; run "
+                "farm verify again later, or wait longer with --wait SECONDS"
+            )
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, REFERENCE_POLL_SECONDS[1])
+        record = agent.resolve(cache_key)
+    return record
+
+
 def verify_once(
-    agent: EdgeAgent, cache_key: str, device: str | None = None, weights: Path | None = None
+    agent: EdgeAgent,
+    cache_key: str,
+    device: str | None = None,
+    weights: Path | None = None,
+    wait_seconds: float = REFERENCE_WAIT_SECONDS,
 ) -> dict[str, Any] | None:
     """Verify the blob unless this device already did; the report (this run's, or the one
     kept), or None when the blob has no reference outputs to verify against (nothing to do).
+    Reference outputs still pending after `wait_seconds`: a report whose `error` says the
+    blob was not judged yet (`reference_pending`), neither kept nor sent: the next pass tries
+    again.
 
     The report is kept in the cache, keyed by the blob's bytes, the device's full name, its
     driver and this machine's OpenVINO: a driver or OpenVINO update verifies again. A failure
     is kept too: an admin who releases a blob this device failed is not overruled on the next
     pass (the farm has the failed report). An error (the verification could not judge the blob:
     out of memory...) is not kept: the next pass tries again."""
-    record = agent.resolve(cache_key)
+    try:
+        record = wait_for_reference(agent, cache_key, None, wait_seconds)
+    except ReferencePending as pending:
+        return {"passed": False, "error": str(pending), "reference_pending": True}
     if not record.get("reference_sha256"):
         return None
     target_device = device or Target.parse(record["target"]).device

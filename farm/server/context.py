@@ -17,28 +17,30 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import Session, sessionmaker
-
-from farm.core.config import Settings, get_settings
-from farm.core.errors import DatabaseUnavailable
-from farm.core.filecache import BlobCache
-from farm.core.text import mask_url
-from farm.server.db.models import Job
+from farm.core.config import get_settings
 from farm.server.db.session import (
+    database_errors,
     make_engine,
     make_session_factory,
     sqlite_at_head,
     upgrade_database,
 )
-from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher, InlineDispatcher
-from farm.server.storage import BlobStore, open_store
 
-if TYPE_CHECKING:  # the runner, and signing (cryptography), load only where they are used
+# The ORM, the dispatchers, the runner and signing (cryptography) load only where they are
+# used: the CLI's read commands take `engine` alone (`farm.server.db.reads`).
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session, sessionmaker
+
     from farm.core.apikey import ApiSigner
+    from farm.core.config import Settings
+    from farm.core.filecache import BlobCache
     from farm.core.signing import Signer
     from farm.core.status import StatusSigner
+    from farm.server.db.models import Job
+    from farm.server.jobs.dispatch import Dispatcher
     from farm.server.jobs.runner import RunLimits
+    from farm.server.storage import BlobStore
 
 
 class FarmContext:
@@ -63,8 +65,12 @@ class FarmContext:
         return context
 
     @cached_property
+    def engine(self) -> Engine:
+        return make_engine(self.settings.resolved_database_url)
+
+    @cached_property
     def sessions(self) -> sessionmaker[Session]:
-        return make_session_factory(make_engine(self.settings.resolved_database_url))
+        return make_session_factory(self.engine)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -87,6 +93,8 @@ class FarmContext:
 
     @cached_property
     def store(self) -> BlobStore:
+        from farm.server.storage import open_store
+
         return open_store(self.settings.resolved_storage_url, self.settings)
 
     @cached_property
@@ -147,8 +155,9 @@ class FarmContext:
 
         return open_model_cache(root, self.settings.worker_model_cache_bytes)
 
-    def run(self, job_id: int) -> Job | None:
-        """Run job `job_id` here: claim, compile in a child, store, record."""
+    def run(self, job_id: int, *, detach_reference: bool = False) -> Job | None:
+        """Run job `job_id` here: claim, compile in a child, store, record; then its blob's
+        reference run, here or (`detach_reference`) in a process of its own."""
         from farm.server.jobs.runner import run_job
 
         return run_job(
@@ -159,24 +168,14 @@ class FarmContext:
             limits=self.run_limits,
             signer=self.signer,
             model_cache=self.model_cache,
+            detach_reference=detach_reference,
         )
 
     def dispatcher(self, *, background: bool = False) -> Dispatcher:
         """Where new jobs go: the broker when served, else this process (`background`: on a
         thread of its own, for the embedded API)."""
+        from farm.server.jobs.dispatch import CeleryDispatcher, InlineDispatcher
+
         if self.settings.served:
             return CeleryDispatcher(self.settings)
         return InlineDispatcher(self.run, background=background)
-
-
-@contextmanager
-def database_errors(url: str) -> Iterator[None]:
-    """Turn the driver's connection errors into DatabaseUnavailable, naming the setting."""
-    try:
-        yield
-    except OperationalError as error:
-        orig = error.orig or error
-        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-        raise DatabaseUnavailable(
-            f"database error (FARM_DATABASE_URL={mask_url(url)}): {first}"
-        ) from error

@@ -86,6 +86,33 @@ def worker_queues(
     ]
 
 
+GENAI_CONVERTER = "genai"
+"""What a worker reports among its converters when openvino-genai and openvino-tokenizers are
+installed (`farm.converters.probe`): it compiles pipeline bundle parts (§17)."""
+
+
+def bundle_queue(target: str | Target, toolchain: Mapping[str, str], large: bool = False) -> str:
+    """The queue of a pipeline bundle's part: ``compile.cpu.<release>.<tag>[.large].with-genai``,
+    where the tag hashes the bundle key's toolchain part (OpenVINO, GenAI and tokenizers
+    releases, CPU runtime requirements): only a worker whose GenAI releases the edge runs
+    consumes it."""
+    return queue_name(target, toolchain, large=large, needs=[GENAI_CONVERTER])
+
+
+def worker_bundle_queues(
+    genai_toolchains: Mapping[str, Mapping[str, str]], memory_bytes: int, large_worker_bytes: int
+) -> list[str]:
+    """The bundle queues a worker with GenAI consumes: per target it compiles (target → the
+    bundle key's toolchain part on this host, `farm.genai.toolchain`), the plain one, and the
+    `.large` one with the memory for it."""
+    sizes = [False, True] if memory_bytes >= large_worker_bytes else [False]
+    return [
+        bundle_queue(target, part, large)
+        for large in sizes
+        for target, part in genai_toolchains.items()
+    ]
+
+
 def register_worker(session: Session, **fields) -> None:
     at = now()
     row = session.get(Worker, fields["name"])

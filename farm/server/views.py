@@ -1,22 +1,28 @@
 """Rows as plain dicts: the one shape jobs, logs, blobs and workers take in CLI output and API
 answers. The direct CLI and the API both build their answers here, so they cannot drift apart.
+
+The shaping functions (`job_dict`, `blob_dict`, ...) read attributes only: they take ORM rows
+and the CLI's light Core rows alike (`farm.server.db.reads`), so this module loads the ORM only
+in the functions that query through it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
 
-from farm.server import routing
-from farm.server.db.models import Blob, Job, Model, StageOutput, Verification, Worker
-from farm.server.jobs.phases import phases_of
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from farm.server.db.models import Blob, Job, StageOutput, Verification, Worker
 
 
 def model_names(session: Session, jobs: Iterable[Job]) -> dict[int, str]:
     """The file names of the models of `jobs`: one query for a whole page."""
+    from farm.server.db.models import Model
+
     ids = {job.model_id for job in jobs}
     if not ids:
         return {}
@@ -74,6 +80,7 @@ def blob_dict(blob: Blob, compression: dict[str, Any] | None = None) -> dict[str
         "reference_size_bytes": blob.reference_size_bytes,
         "reference_signature": blob.reference_signature,
         "reference_note": blob.reference_note,
+        "reference_state": blob.reference_state,
         "quarantined_at": blob.quarantined_at,
         "quarantine_reason": blob.quarantine_reason,
         "compression": compression,
@@ -85,6 +92,8 @@ COMPRESSION_KINDS = ("compress", "quantize")
 
 def compressions(session: Session, blobs: Sequence[Blob]) -> dict[int, dict[str, Any]]:
     """`compression_dict` of many blobs in one query (the dashboard's page), by blob id."""
+    from farm.server.db.models import Job, StageOutput
+
     job_ids = {blob.job_id: blob.id for blob in blobs if blob.job_id is not None}
     if not job_ids:
         return {}
@@ -93,12 +102,14 @@ def compressions(session: Session, blobs: Sequence[Blob]) -> dict[int, dict[str,
         .join(StageOutput, StageOutput.stage_key == Job.stage_key)
         .where(Job.id.in_(job_ids), StageOutput.kind.in_(COMPRESSION_KINDS))
     )
-    return {job_ids[job_id]: _compression(row) for job_id, row in rows}
+    return {job_ids[job_id]: compression_of(row) for job_id, row in rows}
 
 
 def compression_dict(session: Session, blob: Blob) -> dict[str, Any] | None:
     """How the model the blob was compiled from was compressed (docs §15): the stage, its
     args, the sizes and drift it measured, NNCF's version; None when it was not."""
+    from farm.server.db.models import Job, StageOutput
+
     if blob.job_id is None:
         return None
     row = session.scalar(
@@ -106,10 +117,10 @@ def compression_dict(session: Session, blob: Blob) -> dict[str, Any] | None:
         .join(Job, Job.stage_key == StageOutput.stage_key)
         .where(Job.id == blob.job_id, StageOutput.kind.in_(COMPRESSION_KINDS))
     )
-    return None if row is None else _compression(row)
+    return None if row is None else compression_of(row)
 
 
-def _compression(row: StageOutput) -> dict[str, Any]:
+def compression_of(row: StageOutput) -> dict[str, Any]:
     metrics = dict(row.metrics or {})
     return {
         "kind": row.kind,
@@ -169,6 +180,8 @@ def worker_dict(worker: Worker, live: bool) -> dict[str, Any]:
 def job_view(session: Session, job: Job, heartbeat_seconds: int) -> dict[str, Any]:
     """A job as `farm status` and `GET /v1/jobs/{id}` show it: with the note of a queued job
     that no live worker can take, and where its last attempt's time went (its phases)."""
+    from farm.server.jobs.phases import phases_of
+
     return {**job_views(session, [job], heartbeat_seconds)[0], "phases": phases_of(session, job)}
 
 
@@ -177,6 +190,8 @@ def job_views(
 ) -> list[dict[str, Any]]:
     """`job_view` of each job of a page, with what they share read once: the model names
     (one query) and the live workers (one query), not one query per job."""
+    from farm.server import routing
+
     names = model_names(session, jobs)
     notes = routing.waiting_notes(session, jobs, heartbeat_seconds)
     return [{**job_dict(job, names.get(job.model_id)), "note": notes[job.id]} for job in jobs]
@@ -198,5 +213,7 @@ def workers_view(
 ) -> list[dict[str, Any]]:
     """A page of registered workers by name (after the worker named `after`), each marked
     live or not."""
+    from farm.server import routing
+
     live = {w.name for w in routing.live_workers(session, heartbeat_seconds)}
     return [worker_dict(w, w.name in live) for w in routing.workers_page(session, limit, after)]

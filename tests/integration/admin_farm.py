@@ -83,7 +83,26 @@ class AdminFarm:
         """Compile `model` through `farm submit --wait` over the API; one result per spec."""
         xml = models.save_ir(model, self.workdir / name / f"{name}.xml")
         answer = farm_cli(self.client_env, "submit", str(xml), *spec, "--wait", expect=expect)
+        self.references_settled()
         return answer.get("results", [answer])
+
+    def references_settled(self, timeout: float = 120) -> None:
+        """Wait until no blob's reference is pending (it follows the blob: a worker computes
+        it after recording the job succeeded)."""
+        import time
+
+        from farm.server.db.models import Blob
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.sessions() as session:
+                pending = session.scalars(
+                    select(Blob.cache_key).where(Blob.reference_state == "pending")
+                ).all()
+            if not pending:
+                return
+            assert time.monotonic() < deadline, f"references still pending: {pending}"
+            time.sleep(0.1)
 
     def pull(self, cache_key: str, agent: str, device: str = "CPU") -> dict:
         return pull_and_report(

@@ -72,3 +72,17 @@ def edge_cli(edge_venv: Path, env: dict[str, str]) -> Callable[..., dict]:
         return json.loads(result.stdout)
 
     return edge
+
+
+def settled_reference(state: Callable[[], str | None], timeout: float = 300) -> str | None:
+    """The state of a blob's reference once its run ended (`state()` reads it, for example
+    from `farm status KEY --json`): after an embedded submit the run is detached and follows
+    the record (docs §6), so a test that reads the stored reference waits for it first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    current = state()
+    while current == "pending" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        current = state()
+    return current

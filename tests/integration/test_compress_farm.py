@@ -207,3 +207,53 @@ def test_int8_quantization_with_a_calibration_folder(farm_home, tmp_path):
     )  # fmt: skip
     assert failed.returncode != 0
     assert "fewer than 10" in failed.stdout + failed.stderr
+
+
+def test_the_drift_is_measured_in_its_own_child_as_its_own_phase(farm_home, chain_xml):
+    """The compression's child runs NNCF only; the drift is the next child's, timed as the
+    job's `drift` phase (out of the `compress` phase) with its own seconds and peak in the stage
+    metrics. A job reusing the stage measures nothing again."""
+    first = farm_json(farm_home, "submit", str(chain_xml), "-d", "CPU", "--compress", "int8")
+    again = farm_json(
+        farm_home, "submit", str(chain_xml), "-d", "CPU", "--hint", "LATENCY", "--compress", "int8"
+    )
+    assert first["job"]["state"] == again["job"]["state"] == "succeeded"
+    with sqlite3.connect(farm_home / "farm.db") as connection:
+
+        def phases(job_id: int) -> list[tuple[str, float]]:
+            return connection.execute(
+                "SELECT phase, seconds FROM job_phases WHERE job_id = ? ORDER BY started_at",
+                (job_id,),
+            ).fetchall()
+
+        ran, reused = phases(first["job"]["id"]), phases(again["job"]["id"])
+        (metrics,) = connection.execute("SELECT metrics FROM stage_outputs").fetchone()
+    names = [name for name, _ in ran]
+    assert names.index("fetch") < names.index("compress") < names.index("drift")
+    assert names.index("drift") < names.index("compile")
+    assert all(seconds > 0 for name, seconds in ran if name in ("compress", "drift"))
+    assert "drift" not in [name for name, _ in reused]  # reused with its drift: none measured
+
+    metrics = json.loads(metrics)
+    assert metrics["drift"]["samples"] == 1 and metrics["drift"]["max_abs_diff"] > 0
+    assert 0 < metrics["drift_seconds"] <= metrics["drift_child_seconds"]
+    # Two children, two peaks: the compression's (NNCF's) and the drift's, each its own.
+    assert metrics["peak_rss_bytes"] > 0 and metrics["drift_peak_rss_bytes"] > 0
+    assert metrics["peak_rss_bytes"] != metrics["drift_peak_rss_bytes"]
+
+
+def test_a_step_is_timed_as_its_own_phase_out_of_the_enclosing_one():
+    import time
+
+    from farm.server.jobs.phases import PhaseClock, step
+
+    clock = PhaseClock()
+    with step("outside"):  # no attempt's phase running: nothing timed
+        pass
+    with clock.phase("compress"):
+        time.sleep(0.05)
+        with step("drift"):
+            time.sleep(0.2)
+    (outer, outer_at, outer_s), (inner, inner_at, inner_s) = sorted(clock.timed, key=lambda t: t[1])
+    assert (outer, inner) == ("compress", "drift") and outer_at <= inner_at
+    assert inner_s >= 0.2 and 0.05 <= outer_s < 0.2

@@ -178,3 +178,49 @@ def test_a_model_too_large_to_run_within_the_memory_limit_is_compressed_without_
     assert result.metrics["drift"] is None
     assert result.metrics["drift_note"].startswith("drift not measured: a CPU run of this")
     assert result.metrics["ratio"] < 0.27
+
+
+CHILD_WITHOUT_TORCH = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from farm.core.compression import COMPRESS, QUANTIZE, compress_args, quantize_args
+from farm.server.stages import compress
+folder = Path(sys.argv[1])
+compress.prepare({}, switching_user=True)  # as the stage child does: NNCF and its warm-up
+samples = [{"image": np.full((1, 3, 16, 16), i / 10, np.float32)} for i in range(10)]
+int4 = compress.run_stage(
+    COMPRESS, compress_args("int4-sym", group_size=32), folder / "chain.xml", folder / "int4"
+)
+int8 = compress.run_stage(
+    QUANTIZE, quantize_args("int8", {"a.npy": "cd" * 32}), folder / "cnn.xml", folder / "q",
+    calibration=samples,
+)
+torch = sys.modules.get("torch", "absent")
+print(json.dumps({"torch": repr(torch), "ratio": int4.metrics["ratio"],
+                  "drift": [int4.metrics["drift"], int8.metrics["drift"]]}))
+"""
+
+
+def test_the_stage_child_compresses_and_quantizes_without_importing_torch(tmp_path):
+    # NNCF imports torch when it is installed; the stage child keeps it out (time, memory)
+    # and NNCF's OpenVINO backend must work all the same, warm-up included.
+    import json
+    import subprocess
+    import sys
+
+    save(matmul_chain(), tmp_path / "chain.xml")
+    save(cnn_classifier(), tmp_path / "cnn.xml")
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_WITHOUT_TORCH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["torch"] in ("None", "'absent'")
+    assert result["ratio"] < 0.2
+    for drift in result["drift"]:
+        assert 0 < drift["max_abs_diff"] < 0.5 and drift["min_cosine"] > 0.95

@@ -18,12 +18,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from farm.client import ApiError, FarmClient
 from farm.core.clock import now
@@ -349,9 +350,22 @@ def test_worker_temporary_disk_full(tmp_path, served_env, broker):
         assert worker.poll() is None
         # Lost: nothing. Duplicated: nothing. Stored: only the blob that fitted.
         assert census(farm) == holding(jobs=3, blobs=1, models=3, model_objects=6, blob_objects=1)
-        # No job's files are left on the worker's disk (seen through its own mount namespace).
+        # No job's files are left on the worker's disk (seen through its own mount namespace),
+        # once the job's reference run, the tail of its task after the record (docs §6), ended.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with farm.sessions() as session:
+                if session.scalar(select(Blob.reference_state)) != "pending":
+                    break
+            time.sleep(0.2)
         seen_by_worker = Path(f"/proc/{worker.pid}/root") / disk.relative_to("/")
-        assert [p.name for p in seen_by_worker.glob("farm-job-*")] == []
+        leftover = [p.name for p in seen_by_worker.glob("farm-job-*")]
+        for _ in range(50):  # the task removes its folder right after recording the reference
+            if not leftover:
+                break
+            time.sleep(0.1)
+            leftover = [p.name for p in seen_by_worker.glob("farm-job-*")]
+        assert leftover == []
     finally:
         farm.stop()
 

@@ -29,6 +29,10 @@ TABLES = {
     "channel_edges",
     "stage_outputs",
     "job_phases",
+    "metric_counts",
+    "bundle_builds",
+    "bundle_parts",
+    "bundle_build_parts",
 }
 
 

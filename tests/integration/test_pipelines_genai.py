@@ -23,6 +23,7 @@ from farm.core.bundles import CACHE_FOLDER, MANIFEST_NAME
 from farm.core.errors import (
     CompilerUnavailable,
     IntegrityMismatch,
+    NotFound,
     PipelineError,
     VerificationFailed,
 )
@@ -69,6 +70,11 @@ def _build(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build("llm", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build("vlm", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -233,6 +239,13 @@ def test_pull_resumes_and_refuses_an_altered_bundle_whole(
         pull(source, key, fresh, trusted)
     assert not fresh.exists() and not staging_folder(fresh, key).exists()
 
+    # One stored file gone: refused, nothing where a pipeline would open it.
+    gone = next(f for f in manifest.files if f.path == "openvino_model.bin")
+    LocalStore(tmp_path / "store").local_path(file_storage_key(gone.sha256)).unlink()
+    with pytest.raises(NotFound, match=gone.sha256):
+        pull(source, key, fresh, trusted)
+    assert not fresh.exists()
+
 
 def test_verify_refuses_a_bundle_whose_tokens_differ(
     tiny_llm: Path, signer: Signer, tmp_path: Path
@@ -362,3 +375,48 @@ def test_a_hugging_face_folder_is_exported_then_bundled(
     assert report["compiled_on_open"] == []
     direct = open_pipeline("llm", tiny_llm, "CPU", {"ATTENTION_BACKEND": "SDPA"})
     assert report["got"] == reference_run("llm", direct)
+
+
+def test_the_whole_pipeline_part_compiles_what_the_bundle_ships(
+    tiny_llm: Path, tmp_path: Path
+) -> None:
+    from farm.server.bundles.parts import WHOLE, compile_part, plan_parts
+
+    options = options_for(detect(tiny_llm), CPU)
+    [part] = plan_parts(tiny_llm, None, CPU, options, toolchain(CPU))
+    assert part.name == WHOLE
+    output = compile_part(tiny_llm, "llm", part, CPU, options.canonical(), tmp_path / "out")
+    [entry] = output.files
+    assert entry.startswith(f"{CACHE_FOLDER}/") and output.files[entry].stat().st_size > 0
+    # A pipeline opened on a cache holding only this part's output compiles nothing.
+    cache = tmp_path / "edge-cache"
+    cache.mkdir()
+    shutil.copy(output.files[entry], cache / Path(entry).name)
+    before = sorted(p.name for p in cache.iterdir())
+    properties = {**options.properties(), "CACHE_DIR": str(cache)}
+    pipeline = open_pipeline("llm", tiny_llm, "CPU", properties)
+    assert sorted(p.name for p in cache.iterdir()) == before
+    assert reference_run("llm", pipeline) == output.metrics["reference"]
+
+
+def test_vlm_bundle_opens_without_compiling_and_generates_the_same_text(
+    tiny_vlm: Path, signer: Signer, tmp_path: Path
+) -> None:
+    key = _publish(tmp_path / "store", signer, tiny_vlm)
+    ready = tmp_path / "ready"
+    trusted = TrustedKeys({}).with_key(signer.public_key)
+    manifest = pull(FolderSource(tmp_path / "store"), key, ready, trusted, local=tiny_vlm)
+    assert manifest.pipeline == "vlm" and manifest.options["attention_backend"] == "SDPA"
+    entries = [Path(f.path).name for f in manifest.files if f.path.startswith(CACHE_FOLDER)]
+    assert len(entries) == 3  # language model, text embeddings, vision embeddings
+    # Opened from its models in memory (farm.genai), every entry is named from the model, not
+    # from the folder's path: at the ready folder's path all three load from the bundle.
+    report = verify_bundle(ready, trusted)
+    assert report["compiled_on_open"] == []
+    # The same greedy text as a pipeline built directly from the folder by its path.
+    options = options_for(detect(tiny_vlm), CPU)
+    import openvino_genai
+
+    direct = openvino_genai.VLMPipeline(str(tiny_vlm), "CPU", **options.properties())
+    assert reference_run("vlm", direct) == report["got"] == manifest.reference
+    assert manifest.reference["texts"] and manifest.reference["texts"][0]

@@ -325,3 +325,29 @@ def test_infrastructure_errors_count_as_attempts_then_fail_the_job(served, conv_
     again = run_job(served.sessions, store, submission.job_id, worker="w9", limits=limits)
     assert again.state == "failed" and again.attempts == 3
     assert served.count(Blob) == 0
+
+
+def test_the_reference_follows_the_job_and_a_lost_run_is_sent_to_a_worker_again(served, conv_xml):
+    served.start_worker("w1")
+    submission = submit_direct(served, conv_xml)
+    assert served.wait_job(submission.job_id).state == "succeeded"  # the blob is pullable now
+
+    def reference() -> Blob:
+        (blob,) = served.blobs()
+        return blob
+
+    wait_until(lambda: reference().reference_state == "ready", 120, "the worker task's tail")
+    first = reference()
+    assert first.reference_attempts == 1 and first.reference_signature
+
+    with served.sessions() as session:  # its run died: the lease expired, nothing recorded
+        row = session.get_one(Blob, first.id)
+        row.reference_state, row.reference_lease_expires_at = "pending", now() - timedelta(1)
+        row.reference_sha256 = row.reference_size_bytes = row.reference_signature = None
+        session.commit()
+    report = served.farm_json("reconcile")
+    assert report["references_resent"] == [first.id] and report["resent"] == []
+    wait_until(lambda: reference().reference_state == "ready", 120, "the re-sent reference run")
+    again = reference()
+    assert again.reference_attempts == 2 and again.reference_sha256 == first.reference_sha256
+    assert "farm.reference" in served.worker_log("w1")

@@ -1,7 +1,11 @@
 """The fleet as a test lab, for real on CPU: workers store reference outputs beside each blob,
 an edge verifies blobs through the API (IR, and an ONNX model the onnx package ships), and a
 genuinely divergent blob (compiled from a model whose weights differ from its reference) fails,
-is quarantined, is refused by edges, and is replaced by a rebuild, its history kept."""
+is quarantined, is refused by edges, and is replaced by a rebuild, its history kept.
+
+The reference follows the blob (the embedded `farm submit` returns when the blob is stored; a
+detached process computes it): `farm verify` waits while it is pending, and past `--wait` it
+has not judged the blob (exit 4, nothing reported); the reconciler runs a lost one again."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -53,10 +58,25 @@ def sql(home: Path, query: str, *params) -> list[tuple]:
         return connection.execute(query, params).fetchall()
 
 
-def submit(farm_env: dict, model: Path, *extra: str) -> str:
+def submit(farm_env: dict, model: Path, *extra: str, settle: bool = True) -> str:
+    """The model's cache key, its job succeeded; `settle`: once its reference run (which
+    follows the blob, in a process of its own) has ended."""
     answer = ok_json(farm_env, "submit", str(model), "--device", "CPU", *extra)
     assert answer["job"]["state"] == "succeeded", answer
+    if settle:
+        settled(Path(farm_env["FARM_HOME"]), answer["cache_key"])
     return answer["cache_key"]
+
+
+def settled(home: Path, key: str, timeout: float = 120) -> str:
+    """The blob's reference state once it is no longer pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ((state,),) = sql(home, "SELECT reference_state FROM blobs WHERE cache_key = ?", key)
+        if state != "pending":
+            return state
+        assert time.monotonic() < deadline, f"blob {key}'s reference still pending"
+        time.sleep(0.1)
 
 
 def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
@@ -64,15 +84,23 @@ def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
     onnx_model = shutil.copy(SQUEEZENET, tmp_path / "squeezenet.onnx")
     ir_model = models.save_ir(models.conv_net(seed=3), tmp_path / "ir" / "conv.xml")
     for model in (ir_model, Path(onnx_model)):
-        key = submit(farm_env, model)
-        (digest, size, signed, note) = sql(
+        key = submit(farm_env, model, settle=False)
+        # Verified at once: the edge waits for the reference, which follows the blob.
+        verified = ok_json(edge_env, "verify", key, "--runs", "5")
+        (digest, size, signed, note, state) = sql(
             home,
-            "SELECT reference_sha256, reference_size_bytes, reference_signature, reference_note "
-            "FROM blobs WHERE cache_key = ?",
+            "SELECT reference_sha256, reference_size_bytes, reference_signature, reference_note, "
+            "reference_state FROM blobs WHERE cache_key = ?",
             key,
         )[0]
-        assert len(digest) == 64 and size > 0 and signed and note is None
-        verified = ok_json(edge_env, "verify", key, "--runs", "5")
+        assert len(digest) == 64 and size > 0 and signed and note is None and state == "ready"
+        phases = sql(
+            home,
+            "SELECT phase FROM job_phases WHERE job_id = (SELECT job_id FROM blobs "
+            "WHERE cache_key = ?) ORDER BY id",
+            key,
+        )
+        assert [p for (p,) in phases] == ["fetch", "compile", "upload", "record", "reference"]
         assert verified["passed"] is True and verified["farm"]["quarantined"] is False
         assert verified["tolerance"] == _tolerance_of_this_cpu()
         assert verified["min_cosine"] >= verified["tolerance"]["min_cosine"]
@@ -196,6 +224,7 @@ def test_the_submitters_inputs_make_the_reference_through_the_api_and_directly(l
         model = models.save_ir(models.conv_net(seed=10 + number), tmp_path / f"m{number}" / "m.xml")
         answer = ok_json(env, "submit", str(model), "-d", "CPU", "--inputs", str(inputs), "--wait")
         key = answer["cache_key"]
+        settled(home, key)
         (digest,) = sql(home, "SELECT reference_sha256 FROM blobs WHERE cache_key = ?", key)[0]
         reference = Reference.load(home / "store" / "references" / key / f"{digest}.npz")
         assert np.array_equal(reference.inputs["x"], pixels)
@@ -209,6 +238,7 @@ def test_the_submitters_inputs_make_the_reference_through_the_api_and_directly(l
     np.savez(wrong, pixels=pixels, other=pixels)
     model = models.save_ir(models.conv_net(seed=20), tmp_path / "w" / "m.xml")
     key = ok_json(farm_env, "submit", str(model), "-d", "CPU", "--inputs", str(wrong))["cache_key"]
+    assert settled(home, key) == "skipped"
     ((note,),) = sql(home, "SELECT reference_note FROM blobs WHERE cache_key = ?", key)
     assert "no array for the model's input 'x'" in note
     refused = run_farm(edge_env, "verify", key)
@@ -462,3 +492,54 @@ def test_an_api_with_a_certified_status_key_of_its_own_is_trusted_by_edges(lab, 
         assert ok_json(edge, "pull", key)["cache_key"] == key
     finally:
         api.stop()
+
+
+def _make_pending(home: Path, key: str, attempts: int, lease: str) -> None:
+    """The blob's reference as a run in progress leaves it (`lease`: until when it holds)."""
+    with sqlite3.connect(home / "farm.db") as connection:
+        connection.execute(
+            "UPDATE blobs SET reference_state = 'pending', reference_sha256 = NULL, "
+            "reference_size_bytes = NULL, reference_signature = NULL, reference_attempts = ?, "
+            "reference_lease_expires_at = ? WHERE cache_key = ?",
+            (attempts, lease, key),
+        )
+
+
+def test_a_pending_reference_is_not_judged_and_a_lost_run_is_run_again_or_skipped(lab, tmp_path):
+    home, farm_env, edge_env, _ = lab
+    key = submit(farm_env, models.save_ir(models.conv_net(seed=15), tmp_path / "r" / "r.xml"))
+    ((blob_id, job_id),) = sql(home, "SELECT id, job_id FROM blobs WHERE cache_key = ?", key)
+    _make_pending(home, key, 1, "2999-01-01 00:00:00.000000")  # a live run holds it
+
+    waited = run_farm(edge_env, "verify", key, "--wait", "1", "--json")
+    assert waited.returncode == 4, waited.stderr
+    assert "not judged yet" in waited.stderr and "still being computed" in waited.stderr
+    assert sql(home, "SELECT count(*) FROM verifications") == [(0,)]  # nothing reported
+    assert sql(home, "SELECT quarantined_at FROM blobs WHERE id = ?", blob_id) == [(None,)]
+    assert "reference  outputs pending" in run_farm(farm_env, "status", key).stdout
+    quiet = ok_json(farm_env, "reconcile")  # a live lease: not the reconciler's
+    assert quiet["references_resent"] == [] and quiet["references_skipped"] == []
+
+    # Its process died: the lease expired. The reconciler runs it again (a detached process
+    # here, the embedded farm's), as the blob's second attempt.
+    _make_pending(home, key, 1, "2000-01-01 00:00:00.000000")
+    again = ok_json(farm_env, "reconcile")
+    assert again["references_resent"] == [blob_id]
+    assert settled(home, key) == "ready"
+    assert sql(home, "SELECT reference_attempts FROM blobs WHERE id = ?", blob_id) == [(2,)]
+    assert ok_json(edge_env, "verify", key)["passed"] is True
+    phases = sql(
+        home, "SELECT count(*) FROM job_phases WHERE phase = 'reference' AND job_id = ?", job_id
+    )
+    assert phases == [(2,)]  # the first run's and the second's
+
+    # Past its attempts (FARM_MAX_ATTEMPTS, 3): recorded skipped, saying why.
+    _make_pending(home, key, 3, "2000-01-01 00:00:00.000000")
+    gave_up = ok_json(farm_env, "reconcile")
+    assert gave_up["references_skipped"] == [blob_id] and gave_up["references_resent"] == []
+    ((state, note),) = sql(
+        home, "SELECT reference_state, reference_note FROM blobs WHERE id = ?", blob_id
+    )
+    assert state == "skipped" and "3 runs ended without a result" in note
+    refused = run_farm(edge_env, "verify", key)
+    assert refused.returncode == 3 and "no reference outputs" in refused.stderr

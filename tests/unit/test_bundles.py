@@ -200,15 +200,6 @@ def test_the_edge_module_loads_no_genai_and_no_framework() -> None:
     assert loaded.stdout.strip() == "[]"
 
 
-def test_the_api_backend_says_bundles_are_not_served_yet() -> None:
-    from farm.cli.backends.http import Http
-    from farm.core.errors import NotInstalled
-
-    http = Http.__new__(Http)
-    with pytest.raises(NotInstalled, match="does not serve pipeline bundles in this version"):
-        http.bundle_manifest(KEY)
-
-
 def test_check_files_names_a_file_edited_after_the_pull(signer: Signer, tmp_path: Path) -> None:
     from farm.edge.bundle import check_files
 

@@ -29,8 +29,10 @@ def parse(args: list[str]) -> click.Context:
     """The context click builds for `farm ARGS` (options checked), without running it."""
     command, rest = main, list(args)
     while isinstance(command, click.Group):
-        assert rest and rest[0] in command.commands, f"no command farm {' '.join(args)}"
-        command, rest = command.commands[rest[0]], rest[1:]
+        # get_command, not .commands: farm loads a command's module when it is asked for.
+        found = command.get_command(click.Context(command), rest[0]) if rest else None
+        assert found is not None, f"no command farm {' '.join(args)}"
+        command, rest = found, rest[1:]
     return command.make_context(command.name, rest)
 
 

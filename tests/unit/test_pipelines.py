@@ -299,3 +299,37 @@ def test_hugging_face_refusals_name_the_file_or_option(tmp_path: Path) -> None:
     (bare / "model.safetensors").unlink()
     with pytest.raises(PipelineError, match="without weights"):
         hf_pipeline(bare)
+
+
+def test_sub_models_of_two_text_to_image_models_are_refused_naming_the_configs(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    root = _text2image(tmp_path / "sd")
+    configs = {
+        "unet": {"in_channels": 4, "cross_attention_dim": 768},
+        "vae_decoder": {"latent_channels": 4},
+        "text_encoder": {"hidden_size": 768},
+    }
+    for sub, config in configs.items():
+        (root / sub / "config.json").write_text(json.dumps(config))
+    assert detect(root).kind == "text2image"
+    (root / "vae_decoder" / "config.json").write_text('{"latent_channels": 16}')
+    with pytest.raises(PipelineError, match=r"unet/config\.json: mismatched sub-models: .* 4 "):
+        detect(root)
+    (root / "vae_decoder" / "config.json").write_text('{"latent_channels": 4}')
+    (root / "text_encoder" / "config.json").write_text('{"hidden_size": 1024}')
+    with pytest.raises(PipelineError, match=r"text_encoder/config\.json hidden_size 1024"):
+        detect(root)
+
+
+def test_a_text_to_image_folder_without_its_tokenizer_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    root = _text2image(tmp_path / "sd")
+    (root / "tokenizer" / "openvino_tokenizer.xml").unlink()
+    with pytest.raises(
+        PipelineError, match=r"tokenizer/openvino_tokenizer\.xml: the text2image pipeline's tok"
+    ):
+        detect(root)

@@ -9,7 +9,7 @@ import pytest
 
 from farm.core.identity import file_version
 from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, open_store
-from farm.server.storage.local import LocalStore
+from farm.server.storage.local import LocalStore, discard_prestaged
 
 
 @pytest.fixture
@@ -106,6 +106,36 @@ def test_a_model_touched_but_unchanged_after_hashing_is_stored(store, source):
     os.utime(source, ns=(1, 1))  # a new version, the same bytes: verified by hashing them
     assert store.put_version(f"models/{digest}", source, digest, version).sha256 == digest
     assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+
+
+def test_a_prestaged_model_copy_is_taken_by_put_version(store, source):
+    """`farm submit` starts the copy before it opens the database; storing takes it."""
+    digest, version = digest_of(source), file_version(source)
+    store.prestage(f"models/{digest}", source, version)
+    stored = store.put_version(f"models/{digest}", source, digest, version)
+    assert (stored.size, stored.sha256) == (source.stat().st_size, digest)
+    kept = store.local_path(f"models/{digest}")
+    assert kept.read_bytes() == source.read_bytes()
+    assert kept.stat().st_ino != source.stat().st_ino
+    assert leftovers(store) == [digest]
+
+
+def test_a_prestaged_copy_of_a_model_changed_since_is_not_taken(store, source):
+    digest, version = digest_of(source), file_version(source)
+    store.prestage(f"models/{digest}", source, version)
+    with open(source, "r+b") as edit:  # written while (or after) it was being copied
+        edit.write(b"changed after hashing")
+    with pytest.raises(ChecksumMismatch):
+        store.put_version(f"models/{digest}", source, digest, version)
+    assert leftovers(store) == []
+
+
+def test_a_prestaged_copy_nobody_took_is_deleted(store, source):
+    digest, version = digest_of(source), file_version(source)
+    store.prestage(f"models/{digest}", source, version)
+    discard_prestaged()
+    assert leftovers(store) == []
+    assert not store.exists(f"models/{digest}")
 
 
 def test_a_blob_of_its_own_is_moved_in_and_hashed_once(store, source):

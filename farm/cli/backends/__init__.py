@@ -65,6 +65,11 @@ class Backend(Protocol):
         """A bundle file's bytes from `offset` on."""
         ...
 
+    def bundle_build(self, bundle_key: str) -> dict[str, Any] | None:
+        """A bundle's build on the served farm (state, parts), or None (never asked for, or
+        the embedded farm, which compiles bundles at submit)."""
+        ...
+
     def job(self, job_id: int) -> dict[str, Any]: ...
 
     def stage(self, stage_key: str) -> dict[str, Any] | None:

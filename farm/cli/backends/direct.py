@@ -17,42 +17,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
-from farm.core.channels import Entry
-from farm.core.config import Settings
-from farm.core.errors import KeyFileError, NotFound, NotInstalled
-from farm.core.hashing import sha256_file
+from farm.core.errors import KeyFileError, NotFound
 from farm.core.keyprefix import CANDIDATES_SHOWN
-from farm.core.pipelines import GenAIOptions, PipelineFolder, check_memory
-from farm.core.spec import CompileSpec, Toolchain
 from farm.server import pagination
-from farm.server.blobs import service as blobs
-from farm.server.blobs.rebuild import delete_quarantined
-from farm.server.context import FarmContext, database_errors
-from farm.server.db.session import upgrade_database
-from farm.server.jobs import service as jobs
-from farm.server.jobs.dispatch import Dispatcher, InlineDispatcher
-from farm.server.pagination import MAX_PAGE, job_cursor
-from farm.server.storage import model_storage_key, reference_storage_key
-from farm.server.views import (
-    blob_dict,
-    compression_dict,
-    compressions,
-    job_dict,
-    job_rows,
-    job_view,
-    log_view,
-    verification_dict,
-    workers_view,
-)
+from farm.server.context import FarmContext
+from farm.server.db.reads import Reads
+from farm.server.db.session import database_errors, upgrade_database
+from farm.server.pagination import MAX_PAGE
+from farm.server.views import blob_dict, compression_dict, job_dict, verification_dict
 
-# What only some commands use (the doctor, gc, reconcile, resign, signing keys, tokens,
-# verifications) is imported inside them: the read commands (`farm jobs`, `farm blobs`,
-# `farm status`) load only what they need (bench/startup.py; tests/unit/test_cli_startup.py).
+# The read commands (`farm jobs`, `farm blobs`, `farm status`) read through SQLAlchemy Core
+# (`Reads`); the ORM services, the doctor, gc, reconcile, resign, signing keys, tokens and
+# verifications are imported inside the commands that use them: a read command loads only what
+# it needs (bench/startup.py; tests/unit/test_cli_startup.py).
 if TYPE_CHECKING:
     from farm.core.checks import Check
+    from farm.core.config import Settings
     from farm.core.identity import ModelRef
+    from farm.core.pipelines import GenAIOptions, PipelineFolder
+    from farm.core.spec import CompileSpec, Toolchain
     from farm.server.blobs import gc, resign
     from farm.server.db.models import ApiToken
+    from farm.server.jobs.dispatch import Dispatcher
 
 
 class Direct:
@@ -64,6 +50,7 @@ class Direct:
 
     def __init__(self, farm: FarmContext) -> None:
         self.farm = farm
+        self.reads = Reads(farm.engine, farm.settings.resolved_database_url)
 
     @classmethod
     def open(cls, settings: Settings) -> Direct:
@@ -87,6 +74,10 @@ class Direct:
         extra_files: Mapping[str, Path] | None = None,
         max_drift: str | None = None,
     ) -> dict[str, Any]:
+        from farm.core.hashing import sha256_file
+        from farm.server.jobs import service as jobs
+        from farm.server.storage import model_storage_key
+
         inputs_sha = None
         if reference_inputs is not None:  # stored like a model file, where the worker reads it
             inputs_sha = sha256_file(reference_inputs)
@@ -96,6 +87,7 @@ class Direct:
         for sha, path in (extra_files or {}).items():  # calibration samples, likewise
             if not self.farm.store.exists(model_storage_key(sha)):
                 self.farm.store.put_file(model_storage_key(sha), path, expected_sha256=sha)
+
         dispatcher = self._dispatcher(progress, ref.name)
         try:
             with self._session() as session:
@@ -132,6 +124,10 @@ class Direct:
         }
 
     def _dispatcher(self, progress: SubmitProgress, model_name: str) -> Dispatcher:
+        from farm.core.spec import CompileSpec
+        from farm.server.jobs import service as jobs
+        from farm.server.jobs.dispatch import InlineDispatcher
+
         if self.farm.settings.served:
             return self.farm.dispatcher()
 
@@ -140,19 +136,27 @@ class Direct:
                 job = jobs.get_job(session, job_id)
                 spec = CompileSpec.from_canonical(job.target, job.spec)
             with progress.compiling(f"{model_name} for {spec.summary()}"):
-                self.farm.run(job_id)
+                # The blob's reference run goes on in a process of its own: the command
+                # returns when the blob is stored (docs §14).
+                self.farm.run(job_id, detach_reference=True)
 
         return InlineDispatcher(run)
 
     # --- pipeline bundles (§17) -----------------------------------------------------------------
 
     def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
-        if self.farm.settings.served:
-            raise NotInstalled(
-                "pipeline bundles are compiled by the embedded farm in this version: workers do "
-                "not take pipeline jobs yet; run farm submit <folder> on a host with "
-                "farm[genai] and no FARM_DATABASE_URL"
-            )
+        if self.farm.settings.served:  # workers compile its parts (§17)
+            from farm.server.bundles import builds
+
+            dispatcher = self.farm.dispatcher()
+            try:
+                with self._session() as session:
+                    return builds.submit_folder(
+                        session, self.farm.store, self.farm.settings, dispatcher, folder, options
+                    )
+            finally:
+                dispatcher.close()
+        from farm.core.pipelines import check_memory
         from farm.server.bundles import service as bundles  # GenAI: only for a pipeline
 
         check_memory(folder, options.target, self.farm.settings.resolved_compile_memory_bytes)
@@ -167,6 +171,13 @@ class Direct:
 
         return require(self.farm.store, bundle_key)
 
+    def bundle_build(self, bundle_key: str) -> dict[str, Any] | None:
+        from farm.server.bundles import builds
+
+        with self._session() as session:
+            build = builds.find(session, bundle_key)
+            return None if build is None else builds.build_view(session, build)
+
     def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
         from farm.server.bundles.storage import file_storage_key
 
@@ -175,34 +186,45 @@ class Direct:
         return stream
 
     def job(self, job_id: int) -> dict[str, Any]:
+        row = self.reads.job(job_id)
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        if not Reads.needs_routing(row):
+            return self.reads.job_view(row)
+        # A job queued for workers: its note weighs what the live workers serve (the ORM's).
+        from farm.server.jobs import service as jobs
+        from farm.server.views import job_view
+
         with self._session() as session:
             job = jobs.get_job(session, job_id)
             return job_view(session, job, self.farm.settings.worker_heartbeat_seconds)
 
     def jobs(self, limit: int = 50, **filters: Any) -> list[dict[str, Any]]:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
-            with self._session() as session:
-                rows = jobs.list_jobs(session, limit=size, cursor=cursor, **filters)
-                following = job_cursor(rows[-1].id) if len(rows) == size else None
-                return job_rows(session, rows), following
+            return self.reads.jobs_page(size, cursor, **filters)
 
         return _pages(page, limit)
 
     def log(self, job_id: int) -> dict[str, Any]:
+        from farm.server.jobs import service as jobs
+        from farm.server.views import log_view
+
         with self._session() as session:
             return log_view(jobs.get_job(session, job_id))
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         """An operator with the database's credentials may cancel any job, as an admin."""
+        from farm.server.jobs import service as jobs
+
         with self._session() as session:
             return job_dict(jobs.cancel(session, job_id, by=_operator(), as_admin=True))
 
     def latest_job(self, cache_key: str) -> dict[str, Any] | None:
-        with self._session() as session:
-            job = jobs.latest_job_for_key(session, cache_key)
-            return job_dict(job) if job else None
+        return self.reads.latest_job(cache_key)
 
     def workers(self) -> list[dict[str, Any]]:
+        from farm.server.views import workers_view
+
         heartbeat = self.farm.settings.worker_heartbeat_seconds
 
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -217,25 +239,18 @@ class Direct:
     # --- blobs (also the edge agent's source in embedded mode) ---------------------------------
 
     def resolve(self, cache_key: str) -> dict[str, Any] | None:
-        with self._session() as session:
-            blob = blobs.resolve(session, cache_key)
-            if blob is None:
-                return None
-            return {
-                **blob_dict(blob, compression_dict(session, blob)),
-                "status": _signed_status(blob, self.farm.status_signer),
-            }
+        found = self.reads.blob(cache_key)
+        if found is None:
+            return None
+        row, shown = found
+        return {**shown, "status": _signed_status(row, self.farm.status_signer)}
 
     def cache_keys(self, prefix: str) -> list[str]:
-        with self._session() as session:
-            return blobs.cache_keys_starting_with(session, prefix, CANDIDATES_SHOWN + 1)
+        return self.reads.cache_keys(prefix, CANDIDATES_SHOWN + 1)
 
     def blobs(self, target: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         def page(size: int, cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
-            with self._session() as session:
-                rows = blobs.list_blobs(session, target, size, cursor)
-                found = compressions(session, rows)
-                return [blob_dict(b, found.get(b.id)) for b in rows], blobs.page_cursor(rows, size)
+            return self.reads.blobs_page(target, size, cursor)
 
         return _pages(page, limit)
 
@@ -248,6 +263,8 @@ class Direct:
     ) -> None:
         """Copy the stored blob to `dest` (the edge agent verifies it, its size included: the
         farm's own store is copied whole, `max_bytes` is checked after)."""
+        from farm.server.blobs import service as blobs
+
         with self._session() as session:
             blob = blobs.resolve(session, cache_key)
             if blob is None:
@@ -265,6 +282,8 @@ class Direct:
         import_seconds: float | None = None,
         error: str | None = None,
     ) -> None:
+        from farm.server.blobs import service as blobs
+
         with self._session() as session:
             blobs.record_pull(session, cache_key, agent_id, ok, import_seconds, error)
 
@@ -278,6 +297,7 @@ class Direct:
     def download_stage_file(self, stage_key: str, role: str, dest: Path) -> None:
         """Copy one output file of a done stage to `dest` (the caller checks its sha256)."""
         from farm.server.stages import catalog
+        from farm.server.storage import model_storage_key
 
         with self._session() as session:
             files = dict(catalog.require_done(session, stage_key).output_files or {})
@@ -287,6 +307,9 @@ class Direct:
 
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> None:
         """Copy the stored reference file to `dest` (the edge agent checks size and digest)."""
+        from farm.server.blobs import service as blobs
+        from farm.server.storage import reference_storage_key
+
         with self._session() as session:
             blob = blobs.require(session, cache_key)
             digest = blob.reference_sha256
@@ -330,6 +353,8 @@ class Direct:
             return blob_dict(released, compression_dict(session, released))
 
     def delete_blob(self, cache_key: str) -> None:
+        from farm.server.blobs.rebuild import delete_quarantined
+
         with self._session() as session:
             delete_quarantined(session, self.farm.store, cache_key, _operator())
 
@@ -350,6 +375,7 @@ class Direct:
             return channel_status.show(session, name, revision)
 
     def set_channel(self, name: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        from farm.core.channels import Entry
         from farm.server.channels import service as channels
         from farm.server.channels import status as channel_status
 
@@ -399,6 +425,7 @@ class Direct:
             channels.record_edge(session, name, fields.pop("agent_id"), fields)
 
     def channel_status(self, name: str, toolchain: dict[str, Any] | None = None) -> dict[str, Any]:
+        from farm.core.spec import Toolchain
         from farm.server.channels import status as channel_status
 
         chain = Toolchain.from_json(toolchain) if toolchain is not None else None
@@ -410,7 +437,9 @@ class Direct:
     def prebuild(
         self, toolchain: dict[str, Any], channel: str | None, pulled_since_days: float | None
     ) -> list[dict[str, Any]]:
+        from farm.core.spec import Toolchain
         from farm.server.channels import prebuild as prebuilds
+        from farm.server.jobs.dispatch import InlineDispatcher
 
         chain = Toolchain.from_json(toolchain)
         served = self.farm.settings.served
@@ -446,10 +475,13 @@ class Direct:
                 report = reconciler.reconcile(
                     session, self.farm.store, self.farm.settings, dispatcher
                 )
+                from farm.server.bundles.reconcile import reconcile_parts
+
+                parts = reconcile_parts(session, self.farm.settings, dispatcher)
         finally:
             if dispatcher is not None:
                 dispatcher.close()
-        return asdict(report)
+        return {**asdict(report), "bundle_parts": asdict(parts)}
 
     def collect_garbage(
         self,
@@ -507,6 +539,16 @@ class Direct:
     def close(self) -> None:
         pass
 
+    @property
+    def embedded(self) -> bool:
+        """Whether this process runs the farm's jobs itself (no broker)."""
+        return not self.farm.settings.served
+
+    def finish(self) -> None:
+        """Close the database's connections (SQLite writes back its journal), for a process
+        about to end without the interpreter's teardown (`farm submit`)."""
+        self.farm.engine.dispose()
+
 
 def _operator() -> str:
     """Who cancels through the database directly: the operator's login and host."""
@@ -528,6 +570,28 @@ def _pages(
         if cursor is None:
             break
     return rows
+
+
+def prestage_model(settings: Settings, ref: ModelRef) -> None:
+    """The embedded farm: start copying the model's files into its store now, on threads,
+    while the command goes on (`LocalStore.prestage`); the submit's `put_version` takes the
+    copies, `discard_prestaged` deletes those it did not."""
+    if settings.api_url or settings.served:
+        return
+    from farm.server.storage import model_storage_key, open_store
+    from farm.server.storage.local import LocalStore
+
+    store = open_store(settings.resolved_storage_url, settings)
+    if isinstance(store, LocalStore):
+        for role, version in ref.versions.items():
+            store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
+
+
+def discard_prestaged() -> None:
+    """Stop and delete the model copies `prestage_model` started that the submit did not take."""
+    from farm.server.storage.local import discard_prestaged
+
+    discard_prestaged()
 
 
 def upgrade_schema(settings: Settings) -> str | None:

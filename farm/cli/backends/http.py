@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.client import FarmClient
-from farm.core.config import Settings
-from farm.core.errors import ApiError, NotInstalled
-from farm.core.identity import ModelRef
-from farm.core.pipelines import GenAIOptions, PipelineFolder
-from farm.core.spec import CompileSpec, Toolchain
+from farm.core.errors import ApiError
+
+if TYPE_CHECKING:  # types only: listing loads nothing of a submission
+    from farm.core.config import Settings
+    from farm.core.identity import ModelRef
+    from farm.core.pipelines import GenAIOptions, PipelineFolder
+    from farm.core.spec import CompileSpec, Toolchain
+
+BUNDLE_FLAGS = ("max_prompt_len", "min_response_len", "generate_hint", "prefill_hint", "cache_mode")
+"""The GenAI options a bundle submit carries (the API canonicalizes them again)."""
 
 
 class Http:
@@ -47,13 +52,29 @@ class Http:
         )
 
     def submit_pipeline(self, folder: PipelineFolder, options: GenAIOptions) -> dict[str, Any]:
-        _no_bundles_over_http()
+        """Upload the folder's files the farm lacks and queue its bundle (§17); the build (its
+        state and parts), not the manifest: workers compile it."""
+        from farm.core.pipelines import identity
+        from farm.genai import toolchain
+
+        files = {path: (sha, folder.files[path]) for path, sha in identity(folder).items()}
+        values = options.canonical()
+        body = {
+            "pipeline": folder.kind,
+            "target": options.target.name,
+            "options": {name: values[name] for name in BUNDLE_FLAGS if name in values},
+            "toolchain": toolchain(options.target),
+        }
+        return self.client.submit_bundle(files, body)
 
     def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
-        _no_bundles_over_http()
+        return self.client.bundle_manifest(bundle_key)
+
+    def bundle_build(self, bundle_key: str) -> dict[str, Any] | None:
+        return self.client.bundle_build(bundle_key)
 
     def open_bundle_file(self, sha256: str, offset: int) -> BinaryIO:
-        _no_bundles_over_http()
+        return cast(BinaryIO, self.client.open_bundle_file(sha256, offset))
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.job(job_id)
@@ -169,10 +190,3 @@ class Http:
 
     def close(self) -> None:
         self.client.close()
-
-
-def _no_bundles_over_http() -> NoReturn:
-    raise NotInstalled(
-        "the farm API does not serve pipeline bundles in this version; unset FARM_API_URL and "
-        "run farm submit/pull <folder> with the embedded farm"
-    )

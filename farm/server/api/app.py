@@ -3,6 +3,7 @@ error mapping, and one router per resource (`farm.server.api.routes`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import configure_mappers
 
 from farm.core.config import Settings, get_settings
@@ -46,6 +48,15 @@ class RateLimiter:
             return self._counts[(name, window)] <= self.per_minute
 
 
+def _warm(app: FastAPI, farm: FarmContext) -> None:
+    try:
+        metrics.metrics_text(app, farm).get()
+        dashboard.summary(app, farm).get()
+    except Exception:  # the requests report a database that is not there
+        logging.getLogger(__name__).debug("warming the counters failed", exc_info=True)
+    dashboard.warm(farm)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     # Drivers' errors may quote their URLs: no log line of this process shows a password.
@@ -58,15 +69,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # its own, after the request that created them has been answered.
         app.state.dispatcher = app.state.farm.dispatcher(background=True)
         app.state.readiness = Readiness(app.state.farm, settings.readyz_cache_seconds)
-        # The whole-table aggregates start now, in the background: the first scrape or
-        # dashboard after a restart finds them ready (farm.server.api.cached).
         farm = app.state.farm
-        app.state.resolves = batches.resolve_batches(farm.read, lambda: farm.status_signer)
-        app.state.pulls = batches.pull_batches(app.state.farm.session)
+        kept = [batches.KeptSessions(farm), batches.KeptSessions(farm)]
+        app.state.resolves = batches.resolve_batches(kept[0], lambda: farm.status_signer)
+        app.state.pulls = batches.pull_batches(kept[1])
         configure_mappers()  # what the first request to use the ORM would do otherwise
-        metrics.metrics_text(app, app.state.farm).warm()
-        dashboard.summary(app, app.state.farm).warm()
+        # FastAPI builds each route's dependencies and validators when a request first meets
+        # it (0.1-0.2 s for all of them: the first request after a start paid it); a path no
+        # route matches meets them all, now, before the process serves.
+        scope = {"type": "http", "method": "GET", "path": "/-", "root_path": "", "headers": []}
+        for route in app.router.routes:
+            route.matches(scope)
+        # Before serving (issue 30: a warm-up beside the first requests competed with them):
+        # the counters /metrics and the dashboard's cards show (milliseconds: migration 0022),
+        # the first page's queries, and anyio's thread pool, which it imports on first use.
+        await run_in_threadpool(_warm, app, farm)
         yield
+        for sessions in kept:
+            sessions.close()
         app.state.readiness.close()
         app.state.dispatcher.close()
 

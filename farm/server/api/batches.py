@@ -3,9 +3,11 @@
 Every edge resolves the keys it computes and reports every pull; one database transaction per
 request made a resolve cost about five health checks and a report eight (issue 30,
 bench/catalog.py). Here a request joins the batch being gathered while the previous batch is
-at the database, and a batch is one transaction: resolves are one `cache_key IN (...)` query,
-reports one query for the blobs' ids and one multi-row INSERT. Under load the batches grow with
-the requests waiting, so the database's cost per request falls; alone, a request goes at once.
+at the database: resolves are one `cache_key IN (...)` query (with the blobs' compression
+stages), reports one query for the blobs' ids and one multi-row INSERT (one statement, so one
+transaction), on a connection each kind of batch keeps, in autocommit (`KeptSessions`).
+Under load the batches grow with the requests waiting, so the database's cost per request
+falls; alone, a request goes at once.
 
 Nothing is traded for it: a report is answered (201 and its id) only once its batch is
 committed, as before, and one request's unknown key (404) fails only that request.
@@ -14,13 +16,14 @@ committed, as before, and one request's unknown key (404) fails only that reques
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import insert, select
+from sqlalchemy import Connection, and_, insert, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from farm.core.clock import now
@@ -29,8 +32,9 @@ from farm.core.status import StatusSigner
 from farm.server.api.schemas import BlobOut
 from farm.server.blobs.service import refuse_quarantined
 from farm.server.blobs.signatures import signed_status
-from farm.server.db.models import Blob, Pull
-from farm.server.views import blob_dict, compressions
+from farm.server.context import FarmContext, database_errors
+from farm.server.db.models import Blob, Job, Pull, StageOutput
+from farm.server.views import COMPRESSION_KINDS, blob_dict, compression_of
 
 MAX_BATCH = 500
 """Requests in one transaction at most."""
@@ -86,6 +90,14 @@ def pull_batches(sessions: Sessions) -> Batches[PullReport, int]:
     (BlobQuarantined, 409): edges refuse such a blob, so the report is false."""
 
     def write(reports: list[PullReport]) -> list[int | Exception]:
+        try:
+            return write_once(reports)
+        except IntegrityError:
+            # A blob went (farm gc) between the read and the insert: nothing was inserted (one
+            # statement); read again, and its reports are answered as for any missing blob.
+            return write_once(reports)
+
+    def write_once(reports: list[PullReport]) -> list[int | Exception]:
         at = now()
         with sessions() as session:
             blobs = _blobs(session, {report.cache_key for report in reports})
@@ -128,6 +140,46 @@ def _refusal(blob: Blob | None, report: PullReport) -> Exception | None:
     return None
 
 
+class KeptSessions:
+    """Sessions on one connection kept by a kind of batch (its batches run one at a time), in
+    autocommit: a batch then costs its statements' round trips alone, not a pool checkout with
+    its ping (`pool_pre_ping`: a `SELECT 1` before each), a BEGIN and a COMMIT (issue 30: at 1M
+    blobs the database's round trips were most of a resolve). A report batch's INSERT is one
+    statement, so autocommit loses nothing; a connection that fails is dropped and the next
+    batch opens another. PostgreSQL only (SQLite: the ordinary sessions, `farm.session`).
+    `close()` when the API stops: the kept connection is the pool's no longer."""
+
+    def __init__(self, farm: FarmContext) -> None:
+        self.farm = farm
+        self.engine = farm.sessions.kw["bind"]
+        self.kept: list[Connection] = []
+
+    @contextmanager
+    def __call__(self) -> Iterator[Session]:
+        if self.engine.dialect.name != "postgresql":
+            with self.farm.session() as session:
+                yield session
+            return
+        url = self.farm.settings.resolved_database_url
+        if not self.kept or self.kept[0].closed or self.kept[0].invalidated:
+            with database_errors(url):
+                connection = self.engine.connect()
+                self.kept[:] = [connection.execution_options(isolation_level="AUTOCOMMIT")]
+        connection = self.kept[0]
+        try:
+            with database_errors(url), Session(connection, expire_on_commit=False) as opened:
+                yield opened
+        except BaseException:
+            self.close()  # whatever went wrong, the next batch starts on a new connection
+            raise
+
+    def close(self) -> None:
+        for connection in self.kept:
+            with suppress(Exception):
+                connection.close()
+        self.kept.clear()
+
+
 def resolve_batches(
     reads: Sessions, status_signer: Callable[[], StatusSigner | None]
 ) -> Batches[str, str]:
@@ -137,8 +189,21 @@ def resolve_batches(
     def read(keys: list[str]) -> list[str | Exception]:
         signer = status_signer()
         with reads() as session:
-            found = list(session.scalars(select(Blob).where(Blob.cache_key.in_(set(keys)))))
-            compressed = compressions(session, found)
+            # The blobs and their compression stages in one query (not one more per batch).
+            rows = session.execute(
+                select(Blob, StageOutput)
+                .outerjoin(Job, Job.id == Blob.job_id)
+                .outerjoin(
+                    StageOutput,
+                    and_(
+                        StageOutput.stage_key == Job.stage_key,
+                        StageOutput.kind.in_(COMPRESSION_KINDS),
+                    ),
+                )
+                .where(Blob.cache_key.in_(set(keys)))
+            ).all()
+            found = [blob for blob, _ in rows]
+            compressed = {blob.id: compression_of(stage) for blob, stage in rows if stage}
             blobs = {
                 blob.cache_key: BlobOut(
                     **blob_dict(blob, compressed.get(blob.id)),

@@ -22,6 +22,7 @@ from a per-process cache refreshed in the background (`FARM_METRICS_CACHE_SECOND
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -35,19 +36,21 @@ from farm.server.api import dashboard_html as html
 from farm.server.api import sessions
 from farm.server.api.cached import Cached
 from farm.server.api.deps import farm_of
+from farm.server.api.metrics import read_counts
 from farm.server.api.schemas import Text
 from farm.server.blobs import service as blob_service
 from farm.server.channels import status as channel_status
 from farm.server.context import FarmContext
-from farm.server.db.models import Blob, Job, Pull
+from farm.server.db.models import Pull
 from farm.server.jobs import service
 from farm.server.jobs.phases import phases_of_page
-from farm.server.tokens import Caller, TokenExpired, authenticate
+from farm.server.tokens import TOKEN_PREFIX, Caller, TokenExpired, authenticate
 from farm.server.views import compressions, model_names
 
 COOKIE = "farm_dashboard"
 """The session cookie: a session id (`sessions`), never the API token."""
 ROLE = "submit"
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
@@ -156,8 +159,23 @@ def dashboard(
         )
     if not request.app.state.limiter.allow(caller.name):
         return _page(html.message("too many requests for this token; retry in a minute"), 429)
-    farm = farm_of(request)
     filters = {"state": state or "", "target": target or "", "submitter": submitter or ""}
+    body = _render(
+        farm_of(request), caller.name, filters, limit, workers == "all", _summary(request)
+    )
+    return _page(body)
+
+
+def _render(
+    farm: FarmContext,
+    caller_name: str,
+    filters: dict[str, str],
+    limit: int,
+    all_workers: bool,
+    summary: dict[str, Any],
+) -> str:
+    """The page: one page of jobs and of blobs, their pulls and models, the workers."""
+    state, target, submitter = filters["state"], filters["target"], filters["submitter"]
     with farm.session() as session:
         jobs = service.list_jobs(
             session, state or None, target or None, limit, submitter=submitter or None
@@ -166,19 +184,35 @@ def dashboard(
         pulls = _pull_counts(session, [b.id for b in blobs])
         running = routing.live_workers(session, farm.settings.worker_heartbeat_seconds)
         live = {w.name for w in running}
-        shown = routing.workers_page(session, limit) if workers == "all" else running[:limit]
-        body = html.dashboard(
-            caller.name,
+        shown = routing.workers_page(session, limit) if all_workers else running[:limit]
+        return html.dashboard(
+            caller_name,
             filters,
             limit,
-            workers == "all",
-            {**_summary(request), "live_workers": len(live)},
+            all_workers,
+            {**summary, "live_workers": len(live)},
             html.jobs_table(jobs, model_names(session, jobs), phases_of_page(session, jobs)),
             html.blobs_table(blobs, pulls, compressions(session, blobs)),
             html.workers_table(shown, live),
             _channels(session, running),
         )
-    return _page(body)
+
+
+def warm(farm: FarmContext) -> None:
+    """As an API process starts, before it serves: the first dashboard's and the first blob
+    page's queries once (pooled connections, SQLAlchemy's compiled statements, the page code),
+    so the first request after a restart costs what later ones do (issue 30: 0.55 s for the
+    first dashboard at a million blobs). Done before serving, not beside it: a warm-up on a
+    thread of its own competed with the very first requests for the CPU."""
+    try:
+        summary = {"states": {}, "blobs": (0, None)}
+        _render(farm, "", {"state": "", "target": "", "submitter": ""}, 50, False, summary)
+        with farm.read() as session:
+            compressions(session, blob_service.list_blobs(session, None, 1))
+        with farm.session() as session:  # the token query, with a token nobody holds
+            authenticate(session, f"{TOKEN_PREFIX}{'0' * 43}")
+    except Exception:  # a warm-up only: the requests report what is wrong
+        log.debug("warming the dashboard's queries failed", exc_info=True)
 
 
 def _channels(session, running: list) -> str:
@@ -207,14 +241,18 @@ def summary(app: Any, farm: FarmContext) -> Cached[dict[str, Any]]:
     if getattr(app.state, "dashboard_summary", None) is None:
 
         def count() -> dict[str, Any]:
+            # The database's counters (migration 0022), as /metrics reads them: milliseconds
+            # at a million jobs and blobs, where counting the tables took half a second.
             with farm.session() as session:
-                states = session.execute(select(Job.state, func.count()).group_by(Job.state))
-                return {
-                    "states": dict(states.tuples().all()),
-                    "blobs": tuple(
-                        session.execute(select(func.count(), func.sum(Blob.size_bytes))).one()
-                    ),
-                }
+                counts = read_counts(session)
+            states: dict[str, int] = {}
+            blobs, size = 0, 0.0
+            for (family, label1, _, _), (n, total) in counts.items():
+                if family == "jobs":
+                    states[label1] = states.get(label1, 0) + n
+                elif family == "blobs":
+                    blobs, size = blobs + n, size + total
+            return {"states": states, "blobs": (blobs, int(size) if blobs else None)}
 
         app.state.dashboard_summary = Cached(count, farm.settings.metrics_cache_seconds)
     return app.state.dashboard_summary

@@ -204,6 +204,9 @@ class BlobOut(BaseModel):
     """Ed25519 signature by signing_key_id binding the reference file to this blob."""
     reference_note: str | None = None
     """Why the blob has no reference outputs."""
+    reference_state: str | None = None
+    """pending (the reference run follows the blob: a verification waits for it), ready or
+    skipped (see the note); null: a blob recorded before reference states."""
     quarantined_at: datetime | None = None
     """Set: a verification failed (or an admin quarantined it); edges refuse it."""
     quarantine_reason: str | None = None

@@ -100,6 +100,11 @@ class GcReport:
     """Blobs whose rows were deleted (in a dry run: would be)."""
     blob_bytes: int = 0
     """Their bytes."""
+    bundles: list[Any] = field(default_factory=list)
+    """Pipeline bundles whose stale manifests were removed (would be), `StaleBundle`s
+    (farm.server.bundles.gc)."""
+    bundle_files: list[Any] = field(default_factory=list)
+    """Bundle files no manifest lists, deleted (would be), `BundleFileCandidate`s."""
 
     @property
     def bytes(self) -> int:
@@ -109,8 +114,17 @@ class GcReport:
     def model_bytes(self) -> int:
         return sum(model.size_bytes for model in self.models)
 
+    @property
+    def bundle_file_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.bundle_files)
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "bytes": self.bytes, "model_bytes": self.model_bytes}
+        return {
+            **asdict(self),
+            "bytes": self.bytes,
+            "model_bytes": self.model_bytes,
+            "bundle_file_bytes": self.bundle_file_bytes,
+        }
 
     def count(self, blob: Candidate, on_blob: Callable[[Candidate], None] | None) -> None:
         self.blob_count += 1
@@ -220,7 +234,10 @@ def _named_model_files(session: Session, since: datetime | None = None) -> set[s
     inputs = select(Job.reference_inputs).where(
         Job.reference_inputs.is_not(None), Job.state.in_(ACTIVE_STATES)
     )
-    return named | {sha256 for sha256 in session.scalars(inputs) if sha256}
+    from farm.server.bundles.gc import named_model_files  # a bundle's folder (§17)
+
+    bundles = named_model_files(session)
+    return named | bundles | {sha256 for sha256 in session.scalars(inputs) if sha256}
 
 
 def collect(
@@ -247,6 +264,7 @@ def collect(
             session.scalars(select(BlobDeletion.cache_key).where(BlobDeletion.state == "pending"))
         )
         report.models = _model_files_or_error(session, store, model_grace_seconds, began, report)
+        _collect_bundles(session, store, report, began)
         return report
     cutoff = began - timedelta(days=unpulled_days)
     for batch in _batches(found, batch_size):
@@ -255,7 +273,19 @@ def collect(
     _delete_pending_objects(session, store, report, batch_size)
     for model in _model_files_or_error(session, store, model_grace_seconds, began, report):
         _delete_model_file(session, store, model, began, report)
+    _collect_bundles(session, store, report, began)
     return report
+
+
+def _collect_bundles(session: Session, store: BlobStore, report: GcReport, at: datetime) -> None:
+    """Pipeline bundles' stale manifests and unlisted files (farm.server.bundles.gc)."""
+    from farm.server.bundles.gc import collect_bundles
+
+    found = collect_bundles(
+        session, store, report.unpulled_days, report.model_grace_seconds, report.dry_run, at
+    )
+    report.bundles, report.bundle_files = found.bundles, found.files
+    report.errors += found.errors
 
 
 def _model_files_or_error(

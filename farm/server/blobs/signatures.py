@@ -10,12 +10,14 @@ And the blob's status, signed fresh on every resolve by the API's status key
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from farm.core.clock import now
 from farm.core.signing import Manifest, Signer
 from farm.core.status import StatusSigner
-from farm.server.db.models import Blob
+
+if TYPE_CHECKING:  # a blob's columns only: the CLI's light reads pass Core rows
+    from farm.server.db.models import Blob
 
 
 def manifest_of(blob: Blob, model: Mapping[str, str] | None = None) -> Manifest:

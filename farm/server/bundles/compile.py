@@ -15,12 +15,16 @@ from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER
 from farm.core.errors import CompileError, CompilerUnavailable, ConversionError, PipelineError
-from farm.core.pipelines import GenAIOptions, PipelineFolder, detect
+from farm.core.pipelines import WHOLE_PIPELINE, GenAIOptions, PipelineFolder, detect
 from farm.core.spec import Target
+from farm.genai import compile_sub_model as compile_sub_model_with_genai
 from farm.genai import open_pipeline, reference_run
 from farm.toolchain import classify_failure
 
 EXPORT_FOLDER = "export"
+PART_OPTION = "part"
+"""The options' entry that names the part the sandboxed child compiles (none: the whole
+pipeline); the child's request has no field of its own for it."""
 NPU_BLOB = "openvino_model.blob"
 
 
@@ -90,6 +94,64 @@ def compile_pipeline(folder: PipelineFolder, options: GenAIOptions, work: Path) 
     return CompiledPipeline(outputs=outputs, reference=reference)
 
 
+def compile_sub_model(
+    folder: PipelineFolder, name: str, options: GenAIOptions, work: Path
+) -> dict[str, Path]:
+    """Compile the sub-model `name` (``unet``) of `folder` apart, on CPU, with the GenAI class
+    its pipeline uses and the pipeline's properties: the cache entries it writes (by their path
+    in the bundle) are the ones the pipeline loads (docs/openvino.md, "Parts")."""
+    target: Target = options.target
+    if target.is_npu:
+        raise PipelineError(f"the {name} sub-model compiles apart on CPU only; NPU: one part")
+    cache = work / CACHE_FOLDER
+    cache.mkdir(parents=True, exist_ok=True)
+    properties = options.properties() | {"CACHE_DIR": str(cache)}
+    try:
+        model = compile_sub_model_with_genai(name, folder.root / name, target.device, properties)
+    except (CompileError, PipelineError):
+        raise
+    except Exception as error:
+        raise classify_failure(target, error) from None
+    del model
+    outputs = {
+        f"{CACHE_FOLDER}/{path.name}": path for path in sorted(cache.iterdir()) if path.is_file()
+    }
+    if not outputs:
+        raise CompileError(f"OpenVINO GenAI compiled {folder.root / name} and cached nothing")
+    return outputs
+
+
+def check_assembled(folder: PipelineFolder, options: GenAIOptions, cache: Path) -> dict[str, Any]:
+    """Open the pipeline on `cache`, which holds only its parts' entries (each compiled apart):
+    the reference run, or `CompileError` naming what the pipeline compiled on open (a part
+    whose entry is not the one the pipeline loads). OpenVINO writes an entry on a miss and
+    touches nothing on a hit."""
+
+    def state() -> dict[str, tuple[int, int, int]]:
+        return {
+            p.name: (s.st_ino, s.st_mtime_ns, s.st_size)
+            for p in sorted(cache.iterdir())
+            if p.is_file() and (s := p.stat())
+        }
+
+    before = state()
+    properties = options.properties() | {"CACHE_DIR": str(cache)}
+    try:
+        pipeline = open_pipeline(folder.kind, folder.root, options.target.device, properties)
+    except (CompileError, PipelineError):
+        raise
+    except Exception as error:
+        raise classify_failure(options.target, error) from None
+    written = sorted(name for name, seen in state().items() if before.get(name) != seen)
+    if written:
+        raise CompileError(
+            f"the {folder.kind} pipeline compiled {', '.join(written)} on open although each "
+            "part was compiled apart: this GenAI release does not load these parts from the "
+            "cache; compile the folder as one part"
+        )
+    return reference_run(folder.kind, pipeline)
+
+
 def preload() -> None:
     """Import GenAI in the child before it switches user."""
     import openvino_genai  # noqa: F401
@@ -97,16 +159,25 @@ def preload() -> None:
 
 def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
     """The sandboxed child's side (`farm.server.jobs.sandbox.pipeline_in_child`): compile the
-    staged (or exported) folder; the outputs by their bundle path -> path relative to the box."""
+    staged (or exported) folder, or one sub-model part of it (named by the options' ``part``
+    entry, `PART_OPTION`); the outputs by their bundle path -> path relative to the box."""
     box = Path(str(request["out_dir"]))
     converted = bool(request.get("convert_task"))
+    values = dict(request["options"])
+    part = values.pop(PART_OPTION, None)
     try:
         folder = detect(box / ("work/pipeline" if converted else "pipeline"), str(request["kind"]))
         options = GenAIOptions(
-            kind=folder.kind,
-            target=Target.parse(str(request["target"])),
-            values=dict(request["options"]),
+            kind=folder.kind, target=Target.parse(str(request["target"])), values=values
         )
+        if part is not None and part != WHOLE_PIPELINE:
+            written = compile_sub_model(folder, str(part), options, box / "work")
+            return {
+                "outputs": {
+                    name: path.relative_to(box).as_posix() for name, path in written.items()
+                },
+                "reference": {},
+            }
         compiled = compile_pipeline(folder, options, box / "work")
     except (CompileError, PipelineError, CompilerUnavailable, ConversionError) as error:
         return {"error": error.code, "message": str(error)}

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from farm.core.bundles import BundleFile, BundleManifest, sign
 from farm.core.errors import PipelineError
-from farm.core.hashing import sha256_file
 from farm.core.pipelines import (
     GenAIOptions,
     PipelineFolder,
@@ -25,10 +23,10 @@ from farm.core.pipelines import (
 from farm.core.signing import Signer
 from farm.core.spec import Target
 from farm.genai import toolchain
-from farm.server.bundles.compile import CompiledPipeline, compile_pipeline
+from farm.server.bundles import parts
+from farm.server.bundles.parts import PartCompile
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
 from farm.server.jobs.runner import RunLimits
-from farm.server.jobs.sandbox import pipeline_in_child
 from farm.server.storage import BlobStore
 
 
@@ -42,38 +40,15 @@ def options_for(folder: PipelineFolder, target: Target, **flags: Any) -> GenAIOp
     return GenAIOptions.create(folder.kind, target, context_length=context_length(folder), **flags)
 
 
-Compile = Callable[[PipelineFolder, GenAIOptions, Path, str], CompiledPipeline]
-"""Compiles a folder into a work folder for a bundle key: in this process (tests, benchmarks),
-or in the sandboxed child with the farm's limits (`sandboxed`)."""
-
-
-def in_process(
-    folder: PipelineFolder, options: GenAIOptions, work: Path, key: str
-) -> CompiledPipeline:
-    return compile_pipeline(folder, options, work)
+Compile = PartCompile
+"""Compiles one part of a folder into a work folder: in this process (tests, benchmarks), or in
+the sandboxed child with the farm's limits (`sandboxed`)."""
+in_process = parts.in_process
 
 
 def sandboxed(limits: RunLimits) -> Compile:
-    """Compile in a child with the compile's limits (time, memory, user, environment)."""
-
-    def run(
-        folder: PipelineFolder, options: GenAIOptions, work: Path, key: str
-    ) -> CompiledPipeline:
-        done = pipeline_in_child(
-            folder.files,
-            folder.kind,
-            options.target.name,
-            options.canonical(),
-            work / "out",
-            key,
-            timeout_seconds=limits.max_run_seconds,
-            memory_bytes=limits.memory_bytes,
-            compile_user=limits.compile_user,
-            convert_task=folder.convert_task,
-        )
-        return CompiledPipeline(outputs=done.outputs, reference=done.reference)
-
-    return run
+    """Compile each part in a child with the compile's limits (time, memory, user, environment)."""
+    return parts.sandboxed_part(limits)
 
 
 def build_bundle(
@@ -92,33 +67,31 @@ def build_bundle(
     existing = published(store, key)
     if existing is not None:
         return existing
-    with tempfile.TemporaryDirectory(prefix="farm-bundle-") as scratch:
-        compiled = compile(folder, options, Path(scratch), key)
-        # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
-        # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.
-        shipped = {} if folder.convert_task else files
-        entries = [
-            BundleFile(path, shipped[path], folder.files[path].stat().st_size)
-            for path in sorted(shipped)
-        ]
-        for path, output in sorted(compiled.outputs.items()):
-            if path in shipped:
-                raise PipelineError(f"{folder.root / path}: a compiled output has this name")
-            entries.append(BundleFile(path, sha256_file(output), output.stat().st_size))
-        sources = {**{p: folder.files[p] for p in shipped}, **compiled.outputs}
-        for entry in entries:
-            storage_key = file_storage_key(entry.sha256)
-            if not store.exists(storage_key):
-                store.put_file(storage_key, sources[entry.path], expected_sha256=entry.sha256)
-        manifest = BundleManifest(
-            bundle_key=key,
-            pipeline=folder.kind,
-            target=options.target.name,
-            options=options.canonical(),
-            toolchain=toolchain(options.target),
-            files=tuple(entries),
-            reference=compiled.reference,
-        )
+    # Each part compiles once: a part another bundle compiled (the same VAE) is reused.
+    built = parts.build_parts(store, folder, options, toolchain(options.target), compile, files)
+    # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
+    # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.
+    shipped = {} if folder.convert_task else files
+    entries = [
+        BundleFile(path, shipped[path], folder.files[path].stat().st_size)
+        for path in sorted(shipped)
+    ]
+    for entry in entries:
+        storage_key = file_storage_key(entry.sha256)
+        if not store.exists(storage_key):
+            store.put_file(storage_key, folder.files[entry.path], expected_sha256=entry.sha256)
+    for entry in built.files:
+        if entry.path in shipped:
+            raise PipelineError(f"{folder.root / entry.path}: a compiled output has this name")
+    manifest = BundleManifest(
+        bundle_key=key,
+        pipeline=folder.kind,
+        target=options.target.name,
+        options=options.canonical(),
+        toolchain=toolchain(options.target),
+        files=tuple(entries + built.files),
+        reference=built.reference,
+    )
     signed = sign(manifest, signer)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
         json.dump(signed, out)

@@ -7,7 +7,7 @@ Timestamps are UTC, sizes bytes, durations seconds. Changes only through Alembic
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -15,7 +15,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
     Float,
     ForeignKey,
     Index,
@@ -26,10 +25,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
-from sqlalchemy.types import TypeDecorator
 
 from farm.core.sources import FORMATS
-from farm.core.vocabulary import ACTIVE_STATES, JOB_STATES
+from farm.core.vocabulary import ACTIVE_STATES, JOB_STATES, REFERENCE_STATES
+from farm.server.db.types import UTCDateTime
 
 _ACTIVE_SQL = f"state IN ({', '.join(repr(str(s)) for s in ACTIVE_STATES)})"
 _FAILED_PULL_SQL = "NOT ok"
@@ -41,27 +40,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-
-class UTCDateTime(TypeDecorator):
-    """Timezone-aware UTC datetimes on every dialect.
-
-    SQLite has no time zones and hands back naive datetimes; mixing those with the aware ones
-    the code makes raises TypeError. Values are stored as UTC and read back aware.
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
-        if value is not None and value.tzinfo is not None:
-            value = value.astimezone(UTC)
-        return value
-
-    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        return value
 
 
 class Base(DeclarativeBase):
@@ -234,6 +212,16 @@ class Job(Base):
     )
 
 
+_PENDING_REFERENCE_SQL = "reference_state = 'pending'"
+BLOBS_COMMENT = (
+    "A compiled blob in storage. Inserted once, after its upload is verified, with its "
+    "reference outputs pending; then its reference columns are set once, when the reference "
+    "run ends (ready or skipped), its signature columns by `farm keys resign`, and its "
+    "quarantine by a failed verification or an admin; deleted by `farm gc` or a rebuild "
+    "(recorded in blob_deletions)."
+)
+
+
 class Blob(Base):
     __tablename__ = "blobs"
     __table_args__ = (
@@ -245,17 +233,29 @@ class Blob(Base):
             name="reference_recorded_whole",
         ),
         CheckConstraint(
+            "reference_state IS NULL OR reference_state IN ({})".format(
+                ", ".join(f"'{s}'" for s in REFERENCE_STATES)
+            ),
+            name="reference_state",
+        ),
+        CheckConstraint(
+            "reference_state <> 'ready' OR reference_sha256 IS NOT NULL",
+            name="reference_ready_recorded",
+        ),
+        CheckConstraint(
             "(quarantined_at IS NULL) = (quarantine_reason IS NULL)", name="quarantine_has_reason"
         ),
         # Migration 0012: pages of the blob list, newest first, all or per target.
         Index("ix_blobs_created_at_id", "created_at", "id"),
         Index("ix_blobs_target_created_at_id", "target", "created_at", "id"),
-        {
-            "comment": "A compiled blob in storage. Inserted once, after its upload is verified; "
-            "only its signature columns are updated, by `farm keys resign`, and its quarantine, "
-            "by a failed verification or an admin; deleted by `farm gc` or a rebuild (recorded "
-            "in blob_deletions)."
-        },
+        # Migration 0021: the reconciler's look for reference runs that were lost.
+        Index(
+            "ix_blobs_reference_pending",
+            "reference_lease_expires_at",
+            sqlite_where=text(_PENDING_REFERENCE_SQL),
+            postgresql_where=text(_PENDING_REFERENCE_SQL),
+        ),
+        {"comment": BLOBS_COMMENT},
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
@@ -325,6 +325,23 @@ class Blob(Base):
     )
     quarantine_reason: Mapped[str | None] = mapped_column(
         Text, comment="Why: the failed verification (its id, device, errors) or the admin."
+    )
+    reference_state: Mapped[str | None] = mapped_column(
+        String(16),
+        comment="'pending' (recorded with the blob; computed after it, off the job's critical "
+        "path), 'ready' (reference_sha256 set) or 'skipped' (reference_note says why); null: "
+        "recorded before migration 0021 (read the other reference columns).",
+    )
+    reference_attempts: Mapped[int] = mapped_column(
+        Integer,
+        default=0,
+        server_default="0",
+        comment="Runs of the reference claimed so far (each against FARM_MAX_ATTEMPTS); the "
+        "latest one's number is its claim.",
+    )
+    reference_lease_expires_at: Mapped[datetime | None] = mapped_column(
+        comment="While a reference run holds it: renewed by its process; past it, the "
+        "reconciler sends it again (or records it skipped past its attempts). Null: unclaimed."
     )
 
     model: Mapped[Model] = relationship(lazy="joined")
@@ -805,3 +822,188 @@ class StageOutput(Base):
     created_at: Mapped[datetime] = mapped_column(comment="First claimed, UTC.")
     finished_at: Mapped[datetime | None] = mapped_column(comment="Done or failed, UTC.")
     seconds: Mapped[float | None] = mapped_column(Float, comment="Time the stage ran, seconds.")
+
+
+class MetricCount(Base):
+    """Migration 0022: what `/metrics` and the dashboard's cards count, kept by triggers (never
+    written by the application). Sum `n` and `total` per label set."""
+
+    __tablename__ = "metric_counts"
+    __table_args__ = (
+        {
+            "comment": "Counters behind /metrics and the dashboard's cards: per label set, "
+            "the sum of its rows is the count. Appended by triggers on jobs, blobs, pulls and "
+            "verifications in the writing transaction; folded (one row per label set) by "
+            "farm_fold_metric_counts(). Never edited by hand."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, comment="Row id."
+    )
+    family: Mapped[str] = mapped_column(
+        String(32),
+        comment="'jobs', 'compile_seconds', 'blobs', 'quarantined', 'pulls' or 'verifications'.",
+    )
+    label1: Mapped[str] = mapped_column(Text, comment="jobs: state; others: target.")
+    label2: Mapped[str] = mapped_column(
+        Text,
+        comment="jobs: target; compile_seconds: bucket bound ('+Inf' last); pulls: "
+        "'true'/'false' (ok); verifications: 'passed'/'failed'; else ''.",
+    )
+    label3: Mapped[str] = mapped_column(Text, comment="jobs: queue; else ''.")
+    n: Mapped[int] = mapped_column(BigInteger, comment="Change of the count.")
+    total: Mapped[float] = mapped_column(
+        Float, comment="Change of the sum: compile seconds, blob bytes; else 0."
+    )
+
+
+BUNDLE_STATES = ("queued", "running", "done", "failed")
+BUNDLE_PIPELINES = ("llm", "vlm", "whisper", "text2image")
+
+
+class BundleBuild(Base):
+    __tablename__ = "bundle_builds"
+    __table_args__ = (
+        *sha256_checks("bundle_key"),
+        CheckConstraint(
+            "state IN ({})".format(", ".join(f"'{s}'" for s in BUNDLE_STATES)), name="state"
+        ),
+        CheckConstraint(
+            "pipeline IN ({})".format(", ".join(f"'{s}'" for s in BUNDLE_PIPELINES)),
+            name="pipeline",
+        ),
+        {
+            "comment": "A GenAI pipeline bundle asked of the served farm (docs §17), one row per "
+            "bundle key. Inserted 'queued' by the first submit of the key (its folder's files "
+            "uploaded as model files); 'running' once a part is claimed; 'done' when the last "
+            "of its parts (bundle_build_parts) finished and the signed manifest is published at "
+            "bundles/<bundle_key>.json; 'failed' with the failed part's reason, or with farm gc's "
+            "when gc removed its manifest. A failed row is queued again by the next submit of "
+            "the key. Never deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    bundle_key: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="sha256 of the bundle key document (§17)."
+    )
+    pipeline: Mapped[str] = mapped_column(
+        String(16), comment="'llm', 'vlm', 'whisper' or 'text2image'."
+    )
+    files: Mapped[dict[str, Any]] = mapped_column(
+        comment="The folder: sha256 of each file by relative path. Stored at models/<sha256>."
+    )
+    convert_task: Mapped[str | None] = mapped_column(
+        String(64),
+        comment="A Hugging Face folder's optimum task (exported by the part first); null: an "
+        "OpenVINO pipeline folder.",
+    )
+    target: Mapped[str] = mapped_column(String(64), comment="'CPU' or an NPU platform.")
+    options: Mapped[dict[str, Any]] = mapped_column(
+        comment="Canonical GenAI options of the key (with 'convert' for a Hugging Face folder)."
+    )
+    toolchain: Mapped[dict[str, Any]] = mapped_column(
+        comment="The key's toolchain part: OpenVINO, GenAI and tokenizers releases (CPU: also "
+        "the runtime requirements)."
+    )
+    memory_bytes: Mapped[int] = mapped_column(
+        BigInteger, comment="Estimated compile memory of its largest part, bytes."
+    )
+    state: Mapped[str] = mapped_column(
+        String(16), comment="'queued', 'running', 'done' or 'failed'."
+    )
+    error: Mapped[str | None] = mapped_column(
+        Text, comment="Why it failed (the failed part's reason); null otherwise."
+    )
+    submitter: Mapped[str | None] = mapped_column(
+        String(255), comment="Token name of the last submit that queued it."
+    )
+    created_at: Mapped[datetime] = mapped_column(comment="First submitted, UTC.")
+    updated_at: Mapped[datetime] = mapped_column(comment="Last change of state, UTC.")
+    finished_at: Mapped[datetime | None] = mapped_column(comment="Done or failed, UTC.")
+    pulled_at: Mapped[datetime | None] = mapped_column(
+        comment="Last fetch of its signed manifest through the API, UTC (recorded at most once "
+        "an hour); what farm gc reads. Null: never fetched."
+    )
+
+
+class BundlePart(Base):
+    __tablename__ = "bundle_parts"
+    __table_args__ = (
+        *sha256_checks("part_key"),
+        CheckConstraint(
+            "state IN ({})".format(", ".join(f"'{s}'" for s in BUNDLE_STATES)), name="state"
+        ),
+        CheckConstraint("state <> 'done' OR output_files IS NOT NULL", name="done_output"),
+        Index("ix_bundle_parts_state", "state"),
+        {
+            "comment": "One part of pipeline bundles (the whole pipeline, or one sub-model), "
+            "compiled once per part key (docs §17): a part shared by two bundles compiles "
+            "once. Inserted 'queued' by the first submit that needs it; 'running' with a worker "
+            "and a lease (single flight: a claim is a conditional UPDATE); 'done' with its "
+            "output files, or 'failed' with the reason. A running part whose lease expired is "
+            "queued again by the reconciler; a failed one by the next submit. Never deleted."
+        },
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, comment="Row id.")
+    part_key: Mapped[str] = mapped_column(
+        String(64), unique=True, comment="sha256 of the part key document (§17)."
+    )
+    name: Mapped[str] = mapped_column(
+        String(64), comment="'pipeline' (the whole pipeline) or a sub-model's name."
+    )
+    bundle_build_id: Mapped[int] = mapped_column(
+        ForeignKey("bundle_builds.id"),
+        comment="The build whose folder, target and options it compiles (the first to need it).",
+    )
+    queue: Mapped[str] = mapped_column(
+        String(255), comment="The Celery queue it is sent to (toolchain, .large, .with-genai)."
+    )
+    memory_bytes: Mapped[int] = mapped_column(
+        BigInteger, comment="Estimated compile memory, bytes (what chose its queue)."
+    )
+    state: Mapped[str] = mapped_column(
+        String(16), comment="'queued', 'running', 'done' or 'failed'."
+    )
+    worker: Mapped[str | None] = mapped_column(
+        String(255), comment="The worker that runs it (last claimed it)."
+    )
+    attempts: Mapped[int] = mapped_column(Integer, comment="Claims so far (each counts).")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        comment="While running: past this, the reconciler queues it again (its worker died)."
+    )
+    sent_at: Mapped[datetime | None] = mapped_column(
+        comment="Its message last handed to the broker, UTC; null: not sent yet."
+    )
+    output_files: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="What it compiled, by path in the bundle: {sha256, size}; stored at "
+        "bundle-files/<sha256>. Null until done."
+    )
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="What the compile measured (seconds; the reference run's output)."
+    )
+    error: Mapped[str | None] = mapped_column(Text, comment="Why it failed; null otherwise.")
+    created_at: Mapped[datetime] = mapped_column(comment="First needed, UTC.")
+    started_at: Mapped[datetime | None] = mapped_column(comment="Last claimed, UTC.")
+    finished_at: Mapped[datetime | None] = mapped_column(comment="Done or failed, UTC.")
+    seconds: Mapped[float | None] = mapped_column(Float, comment="Time the compile ran, s.")
+
+
+class BundleBuildPart(Base):
+    __tablename__ = "bundle_build_parts"
+    __table_args__ = (
+        Index("ix_bundle_build_parts_part_id", "part_id"),
+        {
+            "comment": "Which parts make up which bundle (a part may be in several). Inserted "
+            "with the build's parts at its first submit; never updated or deleted."
+        },
+    )
+
+    bundle_build_id: Mapped[int] = mapped_column(
+        ForeignKey("bundle_builds.id"), primary_key=True, comment="The bundle."
+    )
+    part_id: Mapped[int] = mapped_column(
+        ForeignKey("bundle_parts.id"), primary_key=True, comment="One of its parts."
+    )

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import CursorResult, make_url
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.sql import Executable
+
+from farm.core.errors import DatabaseUnavailable
+from farm.core.text import mask_url
+
+if TYPE_CHECKING:  # the ORM: not for the CLI's light reads (`farm.server.db.reads`)
+    from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long a SQLite writer waits for another process's write lock before failing."""
@@ -37,7 +44,22 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+@contextlib.contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turn the driver's connection errors into DatabaseUnavailable, naming the setting."""
+    try:
+        yield
+    except OperationalError as error:
+        orig = error.orig or error
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        raise DatabaseUnavailable(
+            f"database error (FARM_DATABASE_URL={mask_url(url)}): {first}"
+        ) from error
+
+
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    from sqlalchemy.orm import sessionmaker
+
     return sessionmaker(engine, expire_on_commit=False)
 
 

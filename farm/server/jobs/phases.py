@@ -1,13 +1,15 @@
 """Where a job's time goes: the runner times each phase of an attempt (fetch, convert,
-compress, compile, reference, upload, record) and records them with the attempt's end, one
+compress, drift, compile, reference, upload, record) and records them with the attempt's end, one
 `job_phases` row each (docs/architecture.md §6). The wait in the queue is the job's own
-`started_at - created_at` (the `job_durations` view)."""
+`started_at - created_at` (the `job_durations` view). A step inside a phase may be timed as its
+own phase (`step`: a compression stage's `drift`), its time then not counted in the phase's."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -21,25 +23,51 @@ from farm.server.db.models import Job, JobPhase
 
 @dataclass
 class PhaseClock:
-    """The phases of one attempt, in the order they ran."""
+    """The phases of one attempt, in the order they started."""
 
     timed: list[tuple[str, datetime, float]] = field(default_factory=list)
+    _inner: list[float] = field(default_factory=list)
+    """Per open phase, the seconds of the phases timed inside it (not counted in its own)."""
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the block as phase `name` (also when it raises: a failed compile took time)."""
+        """Time the block as phase `name` (also when it raises: a failed compile took time).
+        Within it, `step` times a part of it as a phase of its own."""
         started_at, began = now(), time.monotonic()
+        token = _ACTIVE.set(self)
+        self._inner.append(0.0)
         try:
             yield
         finally:
-            self.timed.append((name, started_at, time.monotonic() - began))
+            _ACTIVE.reset(token)
+            seconds, inner = time.monotonic() - began, self._inner.pop()
+            if self._inner:
+                self._inner[-1] += seconds
+            self.timed.append((name, started_at, seconds - inner))
 
     def record(self, session: Session, job_id: int, attempt: int) -> None:
-        """Add the attempt's rows to `session` (the caller commits)."""
+        """Add the attempt's rows to `session` (the caller commits), in the order they
+        started."""
         session.add_all(
             JobPhase(job_id=job_id, attempt=attempt, phase=name, started_at=at, seconds=seconds)
-            for name, at, seconds in self.timed
+            for name, at, seconds in sorted(self.timed, key=lambda timed: timed[1])
         )
+
+
+_ACTIVE: ContextVar[PhaseClock | None] = ContextVar("phase_clock", default=None)
+"""The clock of the phase running in this thread, if any."""
+
+
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """Time the block as phase `name` of the attempt whose phase is running here (its seconds
+    taken out of that phase's); nothing is timed outside an attempt's phase."""
+    clock = _ACTIVE.get()
+    if clock is None:
+        yield
+        return
+    with clock.phase(name):
+        yield
 
 
 def phases_of_page(session: Session, jobs: Sequence[Job]) -> dict[int, str]:

@@ -5,7 +5,12 @@ Runs periodically (Celery beat → the `control` queue) or as `farm reconcile`. 
   infrastructure error) or waited in the queue past the maximum;
 - takes back running jobs whose lease expired (their worker died) and re-sends them;
 - re-sends queued jobs whose message may be lost (below);
-- aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long).
+- aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long);
+- sends again the reference runs that were lost (`reference_run`): a blob's reference still
+  `pending` whose run's lease expired (its worker or detached process died), or that no run
+  claimed `resend_after_seconds` after the blob was recorded. Each send is one of the job's
+  attempts; past them the reference is recorded `skipped`, saying so. A pending reference is
+  never a failure of its job: the job succeeded when its blob was stored.
 On PostgreSQL, rows are taken with FOR UPDATE SKIP LOCKED so two reconcilers never collide.
 
 Which queued jobs are re-sent. A message is lost only when the broker loses it (a Redis restart
@@ -25,6 +30,7 @@ job instead of one per beat. Sends are recorded with one UPDATE per pass, not a 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -33,9 +39,10 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.vocabulary import JobState
+from farm.core.vocabulary import EMBEDDED_QUEUE, REFERENCE_TASK, JobState
 from farm.server.db.models import Job
-from farm.server.jobs.dispatch import Dispatcher
+from farm.server.jobs import reference_run
+from farm.server.jobs.dispatch import CeleryDispatcher, Dispatcher
 from farm.server.storage import AbortsStaleUploads, BlobStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,14 @@ class ReconcileReport:
     cancelled: list[int] = field(default_factory=list)
     """Running jobs whose cancel was requested and whose worker died: ended as cancelled."""
     aborted_uploads: list[str] = field(default_factory=list)
+    references_resent: list[int] = field(default_factory=list)
+    """Blobs whose lost reference run was sent again."""
+    references_skipped: list[int] = field(default_factory=list)
+    """Blobs whose reference runs were lost past their attempts: recorded skipped."""
+
+
+SendReference = Callable[[int, int, str], None]
+"""Sends blob `blob_id`'s reference run, attempt `attempt`, to `queue`."""
 
 
 def reconcile(
@@ -59,8 +74,10 @@ def reconcile(
     store: BlobStore,
     settings: Settings,
     dispatcher: Dispatcher | None,
+    send_reference: SendReference | None = None,
 ) -> ReconcileReport:
-    """One pass; lost messages are re-sent through `dispatcher` (None: nowhere to send)."""
+    """One pass; lost messages are re-sent through `dispatcher` (None: nowhere to send).
+    Lost reference runs go to `send_reference` (default `reference_sender(dispatcher)`)."""
     report = ReconcileReport()
     at = now()
 
@@ -140,11 +157,60 @@ def reconcile(
                 session.execute(update(Job).where(Job.id.in_(report.resent)).values(sent_at=now()))
                 session.commit()
 
+    _lost_references(session, settings, send_reference or reference_sender(dispatcher), report)
+
     if isinstance(store, AbortsStaleUploads):
         report.aborted_uploads = store.abort_stale_uploads(
             timedelta(seconds=settings.stale_upload_seconds)
         )
     return report
+
+
+def _lost_references(
+    session: Session, settings: Settings, send: SendReference, report: ReconcileReport
+) -> None:
+    """Pending references whose run is lost: sent again, or past their attempts skipped.
+    The send is recorded (as the next attempt) before it goes out: a run that starts before
+    the commit would find its attempt not yet granted and do nothing."""
+    at = now()
+    lost = reference_run.pending_runs(session, at, timedelta(seconds=settings.resend_after_seconds))
+    sends = []
+    for blob, queue in lost:
+        job = session.get(Job, blob.job_id) if blob.job_id is not None else None
+        attempts = job.max_attempts if job is not None else settings.max_attempts
+        if blob.reference_attempts >= attempts:
+            reference_run.record_skipped(
+                session,
+                blob,
+                f"no reference outputs: {blob.reference_attempts} runs ended without a result "
+                "(their worker died, or storage or the database failed); see the workers' logs",
+            )
+            report.references_skipped.append(blob.id)
+            continue
+        sends.append((blob.id, reference_run.grant(blob, at), queue))
+    session.commit()
+    for blob_id, attempt, queue in sends:
+        try:
+            send(blob_id, attempt, queue)
+        except Exception:  # the lease granted expires and the next pass sends it again
+            log.warning("could not send blob %s's reference run", blob_id, exc_info=True)
+            continue
+        report.references_resent.append(blob_id)
+
+
+def reference_sender(dispatcher: Dispatcher | None) -> SendReference:
+    """Where a lost reference run goes: the embedded farm's to a detached process on this
+    host; a served farm's to its job's queue, through the broker (`farm.reference`)."""
+
+    def send(blob_id: int, attempt: int, queue: str) -> None:
+        if queue == EMBEDDED_QUEUE:
+            reference_run.detach(blob_id, attempt)
+        elif isinstance(dispatcher, CeleryDispatcher):
+            dispatcher.app.send_task(REFERENCE_TASK, args=[blob_id, attempt], queue=queue)
+        else:
+            raise RuntimeError("no broker to send the reference run to")
+
+    return send
 
 
 def may_be_lost(job: Job, at: datetime, resend_after: timedelta) -> bool:

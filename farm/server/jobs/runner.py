@@ -4,7 +4,10 @@ Used by Celery workers and by the embedded farm alike. The job row is the truth
 (docs/architecture.md §6): a claim is a conditional UPDATE, so a duplicated delivery finds the
 job taken or finished and does nothing; the lease is renewed while compiling, so a dead
 worker's job can be taken back; the blob row and `succeeded` are written in one transaction
-after the blob is stored.
+after the blob is stored, the blob's reference outputs `pending`. The reference run follows
+the record (`reference_run`): here, as the tail of the same call, with the model files still
+in the job's folder, or in a detached process (`detach_reference`, the embedded `farm
+submit`), so the job's submitter never waits for it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import resource
 import shutil
 import socket
 import tempfile
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,27 +43,30 @@ from farm.core.filecache import BlobCache
 from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
-from farm.core.vocabulary import JobState
-from farm.server.blobs.signatures import sign_reference, sign_row
+from farm.core.vocabulary import JobState, ReferenceState
+from farm.server.blobs.signatures import sign_row
 from farm.server.blobs.verifications import inherited_quarantine
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
 from farm.server.jobs.model_cache import link_model_file
 from farm.server.jobs.phases import PhaseClock
-from farm.server.jobs.sandbox import blob_limit_message, compile_in_child, reference_in_child
+from farm.server.jobs.reference_run import Prepared, detach, run_reference
+from farm.server.jobs.sandbox import blob_limit_message, compile_in_child
+from farm.server.leases import Renewing
 from farm.server.memory import release_free_memory
 from farm.server.storage import (
     BlobStore,
     LocalPaths,
-    StoredObject,
     blob_storage_key,
     model_storage_key,
-    reference_storage_key,
 )
 
 log = logging.getLogger(__name__)
 
 
+ONE_CHILD_PHASE = "convert+compile"
+"""The phase of a job whose one convert stage ran here: one child converted and compiled
+(docs §15); the phase is its whole span, storing the IR and recording the stage included."""
 CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -95,11 +100,16 @@ class RunLimits:
 
 
 @dataclass(frozen=True)
-class ReferenceFile:
-    """The reference outputs computed for a blob, or why there are none."""
+class ReferencePlan:
+    """What the record says of the blob's reference: `pending` (the run follows the record,
+    from `prepared`), or `skipped` at once with `note` (off, or too large to run here)."""
 
-    path: Path | None
     note: str | None
+    prepared: Prepared | None = None
+
+    @property
+    def state(self) -> str:
+        return ReferenceState.SKIPPED if self.note else ReferenceState.PENDING
 
 
 def blob_size_limit(
@@ -159,9 +169,12 @@ def run_job(
     work_root: Path | None = None,
     signer: Signer | None = None,
     model_cache: BlobCache | None = None,
+    detach_reference: bool = False,
 ) -> Job | None:
     """Run job `job_id` to its end if it can be claimed; returns the job row as it ends
-    (None: no such job).
+    (None: no such job). A blob recorded with its reference pending then has the reference
+    run here (after the job is recorded `succeeded`), or, with `detach_reference`, in a
+    process of its own (`reference_run.detach`) that outlives this one.
 
     Compile errors fail the job with the compiler's message. Infrastructure errors (storage,
     database) put the job back in the queue, or fail it when that was its last attempt, and
@@ -175,11 +188,12 @@ def run_job(
         job = session.get_one(Job, job_id)
         model_row = session.get_one(Model, job.model_id)
     work_dir = Path(tempfile.mkdtemp(prefix=f"farm-job-{job_id}-", dir=work_root))
-    lease = _Lease(sessions, job_id, worker, limits.lease_seconds)
+    lease = _lease(sessions, job_id, worker, limits.lease_seconds)
     clock = PhaseClock()
+    plan = ReferencePlan(None)
     try:
         with lease:
-            outcome = _compile_and_store(
+            outcome, plan = _compile_and_store(
                 job,
                 model_row,
                 store,
@@ -196,26 +210,69 @@ def run_job(
                 ended = outcome(session)
             clock.record(session, job_id, job.attempts)
             session.commit()
-            return ended
+            blob_id = _pending_blob(session, ended, job_id)
     except Exception as error:
         _release(sessions, job_id, worker, error)
+        shutil.rmtree(work_dir, ignore_errors=True)
         raise
+    try:
+        if blob_id is not None and detach_reference:
+            detach(blob_id)
+        elif blob_id is not None and plan.prepared is not None:
+            _reference_tail(
+                sessions, store, blob_id, job, limits, signer, model_cache, plan, work_dir
+            )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+    return ended
+
+
+def _pending_blob(session: Session, ended: Job | None, job_id: int) -> int | None:
+    """The blob this job recorded with its reference pending (None: no such blob)."""
+    if ended is None or ended.state != JobState.SUCCEEDED:
+        return None
+    return session.scalar(
+        select(Blob.id).where(Blob.job_id == job_id, Blob.reference_state == ReferenceState.PENDING)
+    )
+
+
+def _reference_tail(
+    sessions, store, blob_id, job, limits, signer, model_cache, plan, work_dir
+) -> None:
+    """The blob's reference run, after its job was recorded `succeeded`: with the compile's
+    files. Its errors are the reference's, not the job's: logged; the reconciler sends it
+    again."""
+    assert plan.prepared is not None
+    try:
+        with sessions() as session:
+            source_row = session.get_one(Model, job.model_id)
+            session.expunge(source_row)
+        with _work_disk(work_dir):
+            source = _reference_source(store, job, source_row, work_dir, model_cache)
+        prepared = Prepared(plan.prepared.files, plan.prepared.inputs, source)
+        run_reference(
+            sessions, store, blob_id, limits, signer, model_cache=model_cache, prepared=prepared
+        )
+    except Exception:
+        log.warning("job %s: its reference run failed; to be sent again", job.id, exc_info=True)
 
 
 def _compile_and_store(
     job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions, clock
 ):
-    """Returns a function that records the outcome in a session (so recording is one place).
+    """Returns a function that records the outcome in a session (so recording is one place),
+    and what the record says of the blob's reference (`ReferencePlan`).
 
     `source_row` is what was submitted; with a recipe (docs §15) the stage phase makes (or
-    reuses) the model compiled, `model_row`. `clock` times each phase (`phases.PhaseClock`)."""
+    reuses) the model compiled, `model_row`. `clock` times each phase (`phases.PhaseClock`).
+    The reference is not computed here: it follows the record (`run_job`)."""
+    none = ReferencePlan(None)
     spec = CompileSpec.from_canonical(job.target, job.spec)
     mismatch = _toolchain_mismatch(job, spec.target)
     if mismatch:  # before any byte is fetched or compiled
-        return lambda session: _finish(session, job, JobState.FAILED, error=mismatch)
+        return (lambda session: _finish(session, job, JobState.FAILED, error=mismatch)), none
     model_row = source_row
+    prepared = None
     try:
         with clock.phase("fetch"), _work_disk(work_dir):
             inputs = _fetch_inputs(store, job, work_dir, model_cache)
@@ -225,19 +282,20 @@ def _compile_and_store(
             kinds = "+".join(stage["stage"] for stage in job.recipe)  # "convert+compress"
             with clock.phase(kinds[:16]), _work_disk(work_dir):
                 prepared = _run_stages(
-                    sessions, store, job, source_row, work_dir, lease, limits, model_cache
+                    sessions, store, job, source_row, work_dir, lease, limits, model_cache, spec
                 )
+            if prepared.compiled is not None:  # one child converted and compiled (§15)
+                _, at, seconds = clock.timed[-1]
+                clock.timed[-1] = (ONE_CHILD_PHASE, at, seconds)
             files, model_row = prepared.files, prepared.model
             _check_drift(sessions, job)
         with _work_disk(work_dir):
             _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
         corrupt = str(error)
-        return lambda session: _finish(session, job, JobState.FAILED, error=corrupt)
+        return (lambda session: _finish(session, job, JobState.FAILED, error=corrupt)), none
     except CompileCancelled:
-        return lambda session: _finish(
-            session, job, JobState.CANCELLED, error="cancelled while running"
-        )
+        return _cancelled(job), none
     except (
         CompileTimeout,
         errors.CompileError,
@@ -246,64 +304,72 @@ def _compile_and_store(
     ) as error:
         message, output = str(error), getattr(error, "output", "")
         log_text = f"failed: {message}" + (f"\n--- stage output ---\n{output}" if output else "")
-        return lambda session: _finish(
-            session, job, JobState.FAILED, error=message, log_text=log_text
-        )
+        return _failed(job, message, log_text), none
     max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
-    release_free_memory()  # before the compile child's peak, not after it
     try:
-        with clock.phase("compile"), _work_disk(work_dir):  # the files staged, the blob moved
-            result, output = compile_in_child(
-                files,
-                spec,
-                work_dir / "out",
-                job.cache_key,
-                timeout_seconds=limits.max_run_seconds,
-                memory_bytes=limits.memory_bytes,
-                max_blob_bytes=max_blob_bytes,
-                compile_user=limits.compile_user,
-                compile_launcher=limits.compile_launcher,
-                should_stop=lease.should_stop,
-            )
+        if prepared is not None and prepared.compiled is not None:
+            if isinstance(prepared.compiled, Exception):
+                raise _with_child_output(prepared.compiled, prepared.output)
+            result, output = prepared.compiled, prepared.output
+            max_blob_bytes = max(max_blob_bytes, _blob_limit_of(source_row.size_bytes, limits))
+        else:
+            release_free_memory()  # before the compile child's peak, not after it
+            with clock.phase("compile"), _work_disk(work_dir):  # files staged, the blob moved
+                result, output = compile_in_child(
+                    files,
+                    spec,
+                    work_dir / "out",
+                    job.cache_key,
+                    timeout_seconds=limits.max_run_seconds,
+                    memory_bytes=limits.memory_bytes,
+                    max_blob_bytes=max_blob_bytes,
+                    compile_user=limits.compile_user,
+                    compile_launcher=limits.compile_launcher,
+                    should_stop=lease.should_stop,
+                )
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
-        with clock.phase("reference"):
-            source = _reference_source(store, job, source_row, work_dir, model_cache)
-            reference = _reference(
-                files, spec, job, model_row, work_dir, inputs, lease, limits, source
-            )
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
-        return lambda session: _finish(
-            session, job, JobState.CANCELLED, error="cancelled while running"
-        )
+        return _cancelled(job), none
     except (CompileTimeout, errors.CompileError, errors.CompilerUnavailable) as error:
         message = str(error)  # `error` itself is unbound when the except block ends
         log_text = _failure_log(spec, message, error.output)
-        return lambda session: _finish(
-            session, job, JobState.FAILED, error=message, log_text=log_text
-        )
+        return _failed(job, message, log_text), none
     with clock.phase("upload"):
         # The blob file is ours to give: a local store moves it in (one read, to hash it).
         stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
-        stored_reference = None
-        if reference.path is not None:
-            digest = sha256_file(reference.path)
-            key = reference_storage_key(job.cache_key, digest)
-            stored_reference = store.put_file(key, reference.path, expected_sha256=digest)
     release_free_memory()
-    return lambda session: _record_blob(
-        session,
-        store,
-        job,
-        source_row,
-        result,
-        stored,
-        output,
-        signer,
-        (stored_reference, reference.note),
+    plan = _reference_plan(model_row, limits, Prepared(dict(files), inputs))
+    record = lambda session: _record_blob(  # noqa: E731
+        session, store, job, source_row, result, stored, output, signer, plan
     )
+    return record, plan
+
+
+def _cancelled(job: Job):
+    return lambda session: _finish(
+        session, job, JobState.CANCELLED, error="cancelled while running"
+    )
+
+
+def _failed(job: Job, message: str, log_text: str):
+    return lambda session: _finish(session, job, JobState.FAILED, error=message, log_text=log_text)
+
+
+def _reference_plan(model_row: Model, limits: RunLimits, prepared: Prepared) -> ReferencePlan:
+    """`pending` with the compile's files, or `skipped` at once with the reason: reference
+    outputs are off, or the model is too large for the compile memory limit."""
+    # numpy and OpenVINO: loaded already where jobs run (the worker, the embedded submit).
+    from farm.server.jobs.reference import skip_reason
+
+    if not limits.reference_outputs:
+        return ReferencePlan("no reference outputs: FARM_REFERENCE_OUTPUTS is off")
+    too_large = skip_reason(model_row.size_bytes, limits.memory_bytes)
+    if too_large:
+        return ReferencePlan(too_large)
+    return ReferencePlan(None, prepared)
 
 
 def _reference_source(store, job, source_row, work_dir, model_cache):
@@ -321,41 +387,9 @@ def _reference_source(store, job, source_row, work_dir, model_cache):
     return job.recipe[0]["args"]["format"], files
 
 
-def _reference(
-    files, spec, job, model_row, work_dir, inputs, lease, limits, source=None
-) -> ReferenceFile:
-    """The blob's reference outputs, computed in a child after the compile's child has ended
-    (their memory peaks never add up); skipped, with the reason kept, when the model is too
-    large for the compile memory limit or the run fails (a blob without one is still a blob)."""
-    # OpenVINO and numpy: loaded already where jobs run (the worker, the embedded submit).
-    from farm.server.jobs.reference import skip_reason
-
-    if not limits.reference_outputs:
-        return ReferenceFile(None, "no reference outputs: FARM_REFERENCE_OUTPUTS is off")
-    too_large = skip_reason(model_row.size_bytes, limits.memory_bytes)
-    if too_large:
-        return ReferenceFile(None, too_large)
-    release_free_memory()
-    with _work_disk(work_dir):
-        path, note = reference_in_child(
-            files,
-            spec,
-            work_dir / "reference",
-            job.cache_key,
-            inputs_path=inputs,
-            timeout_seconds=limits.max_run_seconds,
-            memory_bytes=limits.memory_bytes,
-            max_reference_bytes=_blob_limit_of(model_row.size_bytes, limits),
-            compile_user=limits.compile_user,
-            compile_launcher=limits.compile_launcher,
-            should_stop=lease.should_stop,
-            source=source,
-        )
-    return ReferenceFile(path, note)
-
-
-def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model_cache):
-    """The stage phase (farm.server.stages.phase): the model the compile reads."""
+def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model_cache, spec):
+    """The stage phase (farm.server.stages.phase): the model the compile reads, and, when
+    this job runs a recipe of one convert, the blob its child compiled too."""
     from farm.server.stages.phase import StageLimits, run_recipe
 
     stage_limits = StageLimits(
@@ -376,7 +410,14 @@ def _run_stages(sessions, store, job, source_row, work_dir, lease, limits, model
         lambda row, folder: _fetch_model(store, row, folder, model_cache),
         lease.should_stop,
         stage_limits,
+        compile_spec=(spec, job.cache_key),
     )
+
+
+def _with_child_output(error: Exception, output: str) -> Exception:
+    """A compile error of the converting child, with that child's output for the job log."""
+    error.output = output  # type: ignore[attr-defined]
+    return error
 
 
 def _check_drift(sessions, job) -> None:
@@ -552,11 +593,12 @@ def _record_blob(
     stored,
     output: str,
     signer,
-    reference: tuple[StoredObject | None, str | None] = (None, None),
+    reference: ReferencePlan = ReferencePlan(None),
 ):
-    """`succeeded` and the blob row in one transaction, unless the job was cancelled while it
-    finished: then the job ends cancelled and the object it stored is deleted (when no blob
-    row of the same key, another job's, claims it)."""
+    """`succeeded` and the blob row in one transaction, its reference `pending` (or `skipped`
+    with the plan's note), unless the job was cancelled while it finished: then the job ends
+    cancelled and the object it stored is deleted (when no blob row of the same key, another
+    job's, claims it)."""
     timings = {"compile_seconds": result.compile_seconds, "export_seconds": result.export_seconds}
     at = now()
     succeeded = rows_changed(
@@ -602,11 +644,8 @@ def _record_blob(
         sign_row(blob, signer, model_row.files)  # the manifest of the row's own fields
         blob.quarantine_reason = inherited_quarantine(session, job.cache_key, stored.sha256)
         blob.quarantined_at = at if blob.quarantine_reason else None
-        stored_reference, blob.reference_note = reference
-        if stored_reference is not None:
-            blob.reference_sha256 = stored_reference.sha256
-            blob.reference_size_bytes = stored_reference.size
-            sign_reference(blob, signer)
+        blob.reference_state, blob.reference_note = reference.state, reference.note
+        blob.reference_attempts = 0
     session.commit()
     return session.get(Job, job.id, populate_existing=True)
 
@@ -654,11 +693,10 @@ def _failure_log(spec: CompileSpec, message: str, output: str) -> str:
     return "\n".join(lines)
 
 
-def _reference_line(reference: tuple[StoredObject | None, str | None]) -> str:
-    stored, note = reference
-    if stored is None:
-        return note or "no reference outputs"
-    return f"reference outputs: {stored.key}, {stored.size} bytes, sha256 {stored.sha256}"
+def _reference_line(reference: ReferencePlan) -> str:
+    if reference.note:
+        return reference.note
+    return "reference outputs: pending (computed after the blob is recorded; see below)"
 
 
 def _job_log(result, output: str, reference_line: str = "") -> str:
@@ -675,51 +713,22 @@ def _job_log(result, output: str, reference_line: str = "") -> str:
     return "\n".join(lines)
 
 
-class _Lease:
-    """Renews the job's lease in the background and notices cancel requests."""
+def _lease(sessions, job_id: int, worker: str, lease_seconds: int) -> Renewing:
+    """The job's lease, renewed every third of it; checked more often (the same UPDATE reads
+    the cancel flag) so a cancel is quick. Lost when the job is no longer this worker's, or
+    cancelled: the compile stops."""
 
-    def __init__(self, sessions, job_id: int, worker: str, lease_seconds: int) -> None:
-        self.sessions, self.job_id, self.worker = sessions, job_id, worker
-        self.lease_seconds = lease_seconds
-        self.cancelled = threading.Event()
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
-
-    def __enter__(self) -> _Lease:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def should_stop(self) -> bool:
-        return self.cancelled.is_set() or self.lost.is_set()
-
-    def _run(self) -> None:
-        # Renew every third of the lease, so two renewals can fail before it expires; the
-        # same UPDATE reads the cancel flag, checked more often so a cancel is quick.
-        interval = min(self.lease_seconds / 3, CANCEL_POLL_SECONDS)
-        while not self._stop.wait(interval):
-            try:
-                self._renew()
-            except Exception:
-                log.warning("lease renewal for job %s failed", self.job_id, exc_info=True)
-
-    def _renew(self) -> None:
-        with self.sessions() as session:
+    def renew() -> bool:
+        with sessions() as session:
             row = session.execute(
                 update(Job)
-                .where(
-                    Job.id == self.job_id, Job.state == JobState.RUNNING, Job.worker == self.worker
-                )
-                .values(lease_expires_at=now() + timedelta(seconds=self.lease_seconds))
+                .where(Job.id == job_id, Job.state == JobState.RUNNING, Job.worker == worker)
+                .values(lease_expires_at=now() + timedelta(seconds=lease_seconds))
                 .returning(Job.cancel_requested)
             ).first()
             session.commit()
-        if row is None:
-            log.warning("job %s is no longer ours; stopping its compile", self.job_id)
-            self.lost.set()
-        elif row.cancel_requested:
-            self.cancelled.set()
+        if row is not None and row.cancel_requested:
+            log.info("job %s: cancel requested; stopping its compile", job_id)
+        return row is not None and not row.cancel_requested
+
+    return Renewing(renew, min(lease_seconds / 3, CANCEL_POLL_SECONDS), f"job {job_id}")

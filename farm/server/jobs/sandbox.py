@@ -65,9 +65,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 from farm.core import errors
-from farm.core.bundles import safe_path
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
@@ -261,6 +261,12 @@ class StageRun:
     tool_versions: dict
     metrics: dict
     output: str
+    sha256: dict[str, str] | None = None
+    """The output files' digests as the child hashed them while compiling (None: no
+    compile); the store checks them as it takes the files in."""
+    compiled: Any = None
+    """With `compile_spec`: the `CompileResult` of the same child (its blob taken out of the
+    box), or the compile's error (the stage itself succeeded), to raise as a compile's."""
 
 
 STAGE_OUTPUT = {"xml": "out/model.xml", "bin": "out/model.bin"}
@@ -282,6 +288,7 @@ def stage_in_child(
     compile_launcher: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     options: Mapping[str, object] | None = None,
+    compile_spec: tuple[CompileSpec, str] | None = None,
 ) -> StageRun:
     """Run one stage (`kind`: convert, compress, ...) in a child with the compile's limits
     (time, memory, output size, user, environment, no network): its input `files` staged at
@@ -289,7 +296,14 @@ def stage_in_child(
 
     The child is `farm.server.stages.child`: it runs the kind's module. Raises
     ConversionError (with the child's output) for a stage that failed, CompileTimeout past
-    `timeout_seconds`, CompileCancelled when `should_stop` says so."""
+    `timeout_seconds`, CompileCancelled when `should_stop` says so.
+    `compile_spec`: (spec, blob id): the same child then compiles the output for the spec
+    (the compile op's code and properties, from the model still in memory), its blob moved to
+    ``out_dir/<blob id>.blob``; a failed compile is `StageRun.compiled`, not the stage's."""
+    compile_fields = None
+    if compile_spec is not None:
+        spec, blob_id = compile_spec
+        compile_fields = {"target": spec.target.name, "spec": spec.canonical(), "blob_id": blob_id}
     with _child_in_box(
         files,
         out_dir,
@@ -302,38 +316,114 @@ def stage_in_child(
             "options": dict(options or {}),
             "memory_bytes": memory_bytes,
             "max_blob_bytes": max_output_bytes,
+            "compile": compile_fields,
         },
         timeout_seconds,
         should_stop,
         names={role: f"input/{name}" for role, name in names.items()},
     ) as run:
-        output = _tail(run.log_path)
-        if run.timed_out:
-            raise _with_output(
-                CompileTimeout(
-                    f"{kind} ran longer than its time limit of {timeout_seconds:.0f} s "
-                    "(FARM_MAX_RUN_SECONDS)"
-                ),
-                output,
-            )
-        result = _read_result(run.result_path)
-        if result is None:
-            death = _death(run.returncode, output, memory_bytes, max_output_bytes)
-            raise _with_output(errors.ConversionError(f"{kind}: {death}"), output)
-        if "error" in result:
-            error_class = _CHILD_ERRORS.get(result["error"], errors.ConversionError)
-            raise _with_output(error_class(result["message"]), output)
+        result, output = _stage_result(run, kind, timeout_seconds, memory_bytes, max_output_bytes)
         taken = {
             role: _take_blob(run.box / relative, out_dir / Path(relative).name)
             for role, relative in STAGE_OUTPUT.items()
         }
+        compiled = None
+        if compile_fields is not None:
+            compiled = _compiled_in_stage(result.get("compiled") or {}, run.box, out_dir)
+    sha256 = result.get("output_sha256")
     return StageRun(
         taken["xml"],
         taken["bin"],
         dict(result.get("tool_versions") or {}),
         dict(result.get("metrics") or {}),
         output,
+        {role: str(sha256[role]) for role in STAGE_OUTPUT} if sha256 else None,
+        compiled,
     )
+
+
+def drift_in_child(
+    stage_kind: str,
+    files: Mapping[str, Path],
+    names: Mapping[str, str],
+    args: Mapping[str, object],
+    out_dir: Path,
+    stage_key: str,
+    *,
+    timeout_seconds: float,
+    memory_bytes: int | None = None,
+    compile_user: str | None = None,
+    compile_launcher: Path | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> dict:
+    """Measure a compression stage's drift in a child of its own with the compile's limits,
+    after the compression's child has ended (farm.server.stages.drift): `files` are the
+    uncompressed IR, the compressed one (roles ``compressed/...``) and any calibration files,
+    staged at `names` under ``input/``. Its metrics (`drift`, `drift_seconds`, the child's
+    `seconds` and `peak_rss_bytes`); raises like `stage_in_child`. Nothing is written out."""
+    with _child_in_box(
+        files,
+        out_dir,
+        f"{stage_key}.drift",
+        compile_identity(compile_user, compile_launcher),
+        {
+            "task": "stage",
+            "kind": "drift",
+            "args": dict(args),
+            "options": {"stage_kind": stage_kind},
+            "memory_bytes": memory_bytes,
+            "max_blob_bytes": None,  # writes nothing of its own
+        },
+        timeout_seconds,
+        should_stop,
+        names={role: f"input/{name}" for role, name in names.items()},
+    ) as run:
+        result, _ = _stage_result(run, "drift", timeout_seconds, memory_bytes, None)
+    return dict(result.get("metrics") or {})
+
+
+def _stage_result(
+    run: _ChildRun,
+    kind: str,
+    timeout_seconds: float,
+    memory_bytes: int | None,
+    max_output_bytes: int | None,
+) -> tuple[dict, str]:
+    """A stage child's result and output, or the error it ended with."""
+    output = _tail(run.log_path)
+    if run.timed_out:
+        raise _with_output(
+            CompileTimeout(
+                f"{kind} ran longer than its time limit of {timeout_seconds:.0f} s "
+                "(FARM_MAX_RUN_SECONDS)"
+            ),
+            output,
+        )
+    result = _read_result(run.result_path)
+    if result is None:
+        death = _death(run.returncode, output, memory_bytes, max_output_bytes)
+        raise _with_output(errors.ConversionError(f"{kind}: {death}"), output)
+    if "error" in result:
+        error_class = _CHILD_ERRORS.get(result["error"], errors.ConversionError)
+        raise _with_output(error_class(result["message"]), output)
+    return result, output
+
+
+def _compiled_in_stage(compiled: dict, box: Path, out_dir: Path):
+    """The compile of a stage's child (`stage_in_child`): its `CompileResult` with the blob
+    taken out of the box, as `compile_in_child` takes it, or the error to raise."""
+    from farm.server.jobs import compiler
+
+    if "error" in compiled or "blob_id" not in compiled:
+        code = compiled.get("error", errors.CompileError.code)
+        message = compiled.get("message", "the stage's child reported no compile")
+        return _CHILD_ERRORS.get(code, errors.CompileError)(message)
+    blob_id = compiled.pop("blob_id")
+    blob = _take_blob(box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
+    compiled["blob_path"] = blob
+    compiled["size_bytes"] = blob.stat().st_size
+    compiled["toolchain"] = Toolchain(**compiled["toolchain"])
+    return compiler.CompileResult(**compiled)
 
 
 @dataclass(frozen=True)
@@ -362,6 +452,8 @@ def pipeline_in_child(
     """Compile a GenAI pipeline folder (`files`: relative path -> file) in a child with the
     compile's limits (§17, `farm.server.bundles.compile.child_main`); its outputs (cache entries
     or NPU blobs, by their path in the bundle) are moved to `out_dir`."""
+    from farm.core.bundles import safe_path  # signing: not in the compile child's imports
+
     with _child_in_box(
         files,
         out_dir,
@@ -866,7 +958,10 @@ def _child_main(request_fd: str, result_fd: str) -> int:
         if request.get("source_format"):
             from farm.server.stages import source_reference
 
-            source_reference.prepare(request["source_format"])
+            source_reference.prepare(
+                request["source_format"],
+                {r.removeprefix(SOURCE_PREFIX): p for r, p in files.items()},
+            )
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
@@ -881,22 +976,40 @@ def _child_main(request_fd: str, result_fd: str) -> int:
         if reference:
             payload = _reference(files, spec, request)
         else:
-            payload = _compile(compiler, files, spec, request, memory_bytes)
+            payload = _compile(
+                lambda: compiler.compile_to_file(
+                    files, spec, Path(request["out_dir"]), request["blob_id"]
+                ),
+                memory_bytes,
+            )
     result.write(json.dumps(payload))
     result.close()
-    return 0
+    _exit_now()
 
 
-def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
+def _exit_now() -> NoReturn:
+    """End the child as soon as its result is written: the blob (or reference) is a closed
+    file, and the interpreter's teardown (unloading OpenVINO's plugins, joining its thread
+    pools, freeing the compiled model) took 0.3-0.7 s of every compile measured (8 MB
+    model, bench/README.md submit_overhead) for nothing the parent reads."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> NoReturn:
     """The stage op: load the kind's code as the worker's user, switch user, run it."""
     from farm.server.stages import child
 
     runner = child.load(request["kind"], request)  # before the switch of user
     payload: dict
     if isinstance(runner, dict):  # the kind's frameworks are missing here
-        result.write(json.dumps(runner))
-        result.close()
-        return 0
+        _stage_exit(result, runner)
+    after = None
+    if request.get("compile"):  # convert and compile in this one child (docs §15)
+        spec = CompileSpec.from_canonical(request["compile"]["target"], request["compile"]["spec"])
+        _load_openvino(spec.target, {"xml"})  # the plugin, before the switch of user
+        after = _compile_after_stage(spec, request)
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
@@ -907,10 +1020,51 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> int:
             "message": f"cannot switch to the compile user: {error}",
         }
     else:
-        payload = child.run(runner, request, request.get("memory_bytes"))
+        payload = child.run(runner, request, request.get("memory_bytes"), after)
+    _stage_exit(result, payload)
+
+
+def _compile_after_stage(spec: CompileSpec, request: dict):
+    """What the stage's child does once its stage wrote the IR: compile that IR for `spec`
+    as the compile op does (`compiler.compile_to_file`: read back from the files just
+    written, so the blob is the very one a job reusing the stage makes; the converted model in
+    memory makes a different one), hashing the IR files meanwhile for the store;
+    ``{"compiled": ..., "output_sha256": ...}``."""
+
+    def after(outcome, stage_request) -> dict:
+        from farm.core.hashing import sha256_file
+        from farm.server.jobs import compiler
+
+        paths = {role: stage_request.out_dir / Path(rel).name for role, rel in STAGE_OUTPUT.items()}
+        digests: dict[str, str] = {}
+        hashing = threading.Thread(
+            target=lambda: digests.update({r: sha256_file(p) for r, p in paths.items()}),
+            name="hash-ir",
+        )
+        hashing.start()
+        box = Path(request["out_dir"])
+        blob_id = request["compile"]["blob_id"]
+        compiled = _compile(
+            lambda: compiler.compile_to_file(paths, spec, box, blob_id),
+            request.get("memory_bytes"),
+        )
+        compiled.setdefault("blob_id", blob_id)
+        hashing.join()
+        return {"compiled": compiled, "output_sha256": digests}
+
+    return after
+
+
+def _stage_exit(result: io.TextIOWrapper, payload: dict) -> NoReturn:
+    """Write the stage's result and end the child at once. Its output files are written and
+    closed; an ordinary interpreter exit would only tear down what the frameworks built
+    (measured: 3 to 4 s after converting a 512 MB torch.export program, freeing torch's
+    tensors and modules one by one), time the job waits for and nobody uses."""
     result.write(json.dumps(payload))
     result.close()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 PIPELINE_EXPORTER = "farm.server.bundles.export"
@@ -956,11 +1110,9 @@ def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int
     return 0
 
 
-def _compile(compiler, files, spec: CompileSpec, request: dict, memory_bytes: int | None) -> dict:
+def _compile(compile_call: Callable, memory_bytes: int | None) -> dict:
     try:
-        compiled = compiler.compile_to_file(
-            files, spec, Path(request["out_dir"]), request["blob_id"]
-        )
+        compiled = compile_call()
         payload = asdict(compiled)
         payload["blob_path"] = str(compiled.blob_path)
     except (errors.CompileError, errors.CompilerUnavailable, MemoryError) as error:

@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,7 @@ MODULES = {
     "convert": "farm.server.stages.convert",
     "compress": "farm.server.stages.compress",
     "quantize": "farm.server.stages.compress",
+    "drift": "farm.server.stages.drift",  # a compress or quantize stage's drift, measured after
 }
 """Stage kind -> the module that runs it in the child: ``prepare(args)``, ``run(request)``."""
 OFFLINE = {
@@ -73,10 +75,16 @@ def load(kind: str, raw: dict) -> ModuleType | dict:
     return module
 
 
-def run(module: ModuleType, raw: dict, memory_bytes: int | None) -> dict:
+def run(
+    module: ModuleType,
+    raw: dict,
+    memory_bytes: int | None,
+    after: Callable[[StageOutcome, StageRequest], dict] | None = None,
+) -> dict:
     """Run the stage; the payload the parent reads (an error code and message, or versions
     and metrics). The message names the file and the converter's reason; the traceback goes
-    to the log."""
+    to the log. `after`: what the child does next with a stage that succeeded (the sandbox's
+    compile, docs §15), its fields added to the payload; its time is not the stage's."""
     box = Path(raw["out_dir"])
     request = StageRequest(
         kind=raw["kind"],
@@ -101,4 +109,5 @@ def run(module: ModuleType, raw: dict, memory_bytes: int | None) -> dict:
         return {"error": errors.ConversionError.code, "message": message}
     outcome.metrics.setdefault("seconds", round(time.perf_counter() - started, 3))
     outcome.metrics.setdefault("peak_rss_bytes", peak_rss_bytes())
-    return {"tool_versions": outcome.tool_versions, "metrics": outcome.metrics}
+    payload = {"tool_versions": outcome.tool_versions, "metrics": outcome.metrics}
+    return payload if after is None else {**payload, **after(outcome, request)}

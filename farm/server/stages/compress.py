@@ -1,11 +1,12 @@
-"""The `compress` and `quantize` stages, child side: read an IR, run NNCF, save the IR, and
-measure what it cost: the weights' size before and after, and the drift of the compressed
-model's outputs from the uncompressed model's on the same inputs.
+"""The `compress` and `quantize` stages, child side: read an IR, run NNCF, save the IR
+(`compress_model`), and measure what it cost: the weights' size before and after, and the drift
+of the compressed model's outputs from the uncompressed model's on the same inputs
+(`measure_drift`).
 
-Runs in the job's sandboxed child like a compile (docs/architecture.md §15). The order keeps
-peak memory near NNCF's own: the uncompressed model's outputs are computed and its compiled
-form released before NNCF runs, and the compressed model is saved and released before it is
-read back to be measured. NNCF and OpenVINO are imported here, never in farm/core.
+The farm runs the two in two sandboxed children, one after the other (docs/architecture.md
+§15): this module's `run` compresses, `farm.server.stages.drift` measures. So the compression
+child's peak memory is NNCF's own, and the drift's (the FP32 model compiled on CPU, above
+NNCF's) is its own child's. NNCF and OpenVINO are imported here, never in farm/core.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 import json
 import logging
 import os
-import resource
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +52,9 @@ class StageResult:
     """The output IR's files by relative path; `OUTPUT_XML` is the main one."""
     metrics: dict[str, Any]
     """`size_before`, `size_after` (bytes of weights), `ratio`, `weights`, the NNCF settings
-    actually used (`resolved`), `drift` (`max_abs_diff`, `mean_abs_diff`, `min_cosine`,
-    `top1_agreement` or None, `samples`) and `seconds`."""
+    actually used (`resolved`), `seconds`; after `measure_drift` (`run_stage`) also `drift`
+    (`max_abs_diff`, `mean_abs_diff`, `min_cosine`, `top1_agreement` or None, `samples`) and
+    `drift_seconds` (the two CPU runs the drift takes)."""
     tool_versions: dict[str, str] = field(default_factory=dict)
 
 
@@ -74,26 +76,44 @@ def run_stage(
     seed: str = "",
     memory_bytes: int | None = None,
 ) -> StageResult:
-    """Compress (`compress`) or quantize (`quantize`) the IR at `xml` into `out_dir`.
+    """Compress (`compress`) or quantize (`quantize`) the IR at `xml` into `out_dir`, then
+    measure its drift: `compress_model` and `measure_drift` in one process (the farm runs them
+    in two children, §15).
 
     `reference_inputs` are the inputs the drift is measured on; when none are given, inputs
     seeded from `seed` (the stage key) are made like a blob's reference inputs. `calibration`
     are `quantize`'s samples (farm.core.calibration.load_samples), also used for drift.
-    `memory_bytes`: the child's memory limit; a model too large to run within it on CPU is
-    compressed without its drift measured (`drift` None, `drift_note` says why)."""
-    import openvino as ov
+    `memory_bytes`: the memory limit; a model too large to run within it on CPU is compressed
+    without its drift measured (`drift` None, `drift_note` says why)."""
+    result = compress_model(kind, args, xml, out_dir, calibration=calibration)
+    measured = measure_drift(
+        xml,
+        result.files[OUTPUT_XML],
+        reference_inputs=reference_inputs,
+        calibration=calibration,
+        seed=seed,
+        memory_bytes=memory_bytes,
+    )
+    result.metrics.update(measured)
+    return result
 
-    from farm.server.jobs.reference import skip_reason
+
+def compress_model(
+    kind: str,
+    args: Mapping[str, Any],
+    xml: Path,
+    out_dir: Path,
+    *,
+    calibration: Sequence[Mapping[str, np.ndarray]] = (),
+) -> StageResult:
+    """Compress (`compress`) or quantize (`quantize`, on its `calibration` samples) the IR at
+    `xml` into `out_dir`: what the stage's child does, NNCF and nothing else (the drift is
+    measured after, `measure_drift`). Metrics: the sizes, `weights`, `resolved`, `seconds`."""
+    import openvino as ov
 
     nncf = _nncf()
     started = time.monotonic()
-    core = ov.Core()
-    model = core.read_model(xml)
-    drift_inputs = list(reference_inputs) or [seeded_inputs(seed, _input_specs(model))]
-    drift_inputs = (drift_inputs + list(calibration))[:MAX_DRIFT_SAMPLES]
-    too_large = skip_reason(_weights_bytes(xml), memory_bytes)
-    expected = [] if too_large else _outputs(core, model, drift_inputs)
-
+    model = ov.Core().read_model(xml)
     weights = weight_count(model)
     if kind == COMPRESS:
         canonical = canonical_compress(args)
@@ -121,8 +141,6 @@ def run_stage(
     # NNCF's alone, and the compile decides its own precision.
     ov.save_model(compressed, out_xml, compress_to_fp16=False)
     del compressed, model
-
-    actual = [] if too_large else _outputs(core, core.read_model(out_xml), drift_inputs)
     size_before = _weights_bytes(xml)
     size_after = _weights_bytes(out_xml)
     metrics: dict[str, Any] = {
@@ -131,13 +149,45 @@ def run_stage(
         "ratio": round(size_after / size_before, 6) if size_before else None,
         "weights": weights,
         "resolved": resolved,
-        "drift": None if too_large else drift(expected, actual),
         "seconds": round(time.monotonic() - started, 3),
     }
-    if too_large:
-        metrics["drift_note"] = too_large.replace("no reference outputs", "drift not measured")
     files = {OUTPUT_XML: out_xml, out_xml.with_suffix(".bin").name: out_xml.with_suffix(".bin")}
     return StageResult(files, metrics, tool_versions())
+
+
+def measure_drift(
+    xml: Path,
+    compressed_xml: Path,
+    *,
+    reference_inputs: Sequence[Mapping[str, np.ndarray]] = (),
+    calibration: Sequence[Mapping[str, np.ndarray]] = (),
+    seed: str = "",
+    memory_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The drift of the compressed IR's outputs from the uncompressed IR's (issue 27 item 4):
+    both compiled and run on CPU in f32 on the same inputs, one at a time (each compiled form
+    released before the next is made). `drift` (see `drift`), `drift_seconds`, and when the
+    model is too large to run within `memory_bytes` on CPU `drift` None and `drift_note`."""
+    import openvino as ov
+
+    from farm.server.jobs.reference import skip_reason
+
+    started = time.monotonic()
+    too_large = skip_reason(_weights_bytes(xml), memory_bytes)
+    if too_large:
+        note = too_large.replace("no reference outputs", "drift not measured")
+        return {"drift": None, "drift_note": note, "drift_seconds": 0.0}
+    core = ov.Core()
+    model = core.read_model(xml)
+    inputs = list(reference_inputs) or [seeded_inputs(seed, _input_specs(model))]
+    inputs = (inputs + list(calibration))[:MAX_DRIFT_SAMPLES]
+    expected = _outputs(core, model, inputs)
+    del model
+    actual = _outputs(core, core.read_model(compressed_xml), inputs)
+    return {
+        "drift": drift(expected, actual),
+        "drift_seconds": round(time.monotonic() - started, 3),
+    }
 
 
 def weight_count(model: Any) -> int:
@@ -290,9 +340,20 @@ def prepare(
     run once now on a tiny model of farm's own (never on the user's files)."""
     import openvino  # noqa: F401
 
+    _without_torch()
     nncf = _nncf()
     if switching_user:
         _warm_up(nncf)
+
+
+def _without_torch() -> None:
+    """Keep torch out of this child. NNCF imports it whenever it is installed (its tensor
+    functions for PyTorch models), on a worker that also converts PyTorch sources: measured
+    1.7 s and 180 MB of resident memory per stage, for nothing, since a stage compresses
+    OpenVINO IR with NNCF's OpenVINO backend. A worker with `farm[compress]` alone has no torch
+    at all; this makes one with `farm[convert]` too behave the same. Only in the stage's own
+    child process (`prepare`): a ``None`` entry makes every later ``import torch`` fail."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
 
 def _warm_up(nncf: Any) -> None:
@@ -310,26 +371,25 @@ def _warm_up(nncf: Any) -> None:
 
 
 def run(request: StageRequest) -> StageOutcome:
-    """Run the stage on the request's IR; `quantize` reads its calibration files, staged
-    beside the model by the stage phase under the roles ``calibration/<relative path>``."""
+    """Run the stage on the request's IR (NNCF only: its drift is the next child's, `drift`);
+    `quantize` reads its calibration files, staged beside the model by the stage phase under
+    the roles ``calibration/<relative path>``."""
     samples: list[dict[str, np.ndarray]] = []
     if request.kind == QUANTIZE:
-        samples = _calibration_samples(request)
-    seed = json.dumps({"kind": request.kind, "args": request.args}, sort_keys=True)
-    limit, _ = resource.getrlimit(resource.RLIMIT_AS)  # the sandbox's memory limit, if any
-    result = run_stage(
-        request.kind,
-        request.args,
-        request.files["xml"],
-        request.out_dir,
-        calibration=samples,
-        seed=hashlib.sha256(seed.encode()).hexdigest(),
-        memory_bytes=None if limit == resource.RLIM_INFINITY else limit,
+        samples = calibration_samples(request)
+    result = compress_model(
+        request.kind, request.args, request.files["xml"], request.out_dir, calibration=samples
     )
     return StageOutcome(result.tool_versions, result.metrics)
 
 
-def _calibration_samples(request: StageRequest) -> list[dict[str, np.ndarray]]:
+def drift_seed(kind: str, args: Mapping[str, Any]) -> str:
+    """The seed of a stage's drift inputs when it has no reference inputs: its kind and args."""
+    seed = json.dumps({"kind": kind, "args": dict(args)}, sort_keys=True)
+    return hashlib.sha256(seed.encode()).hexdigest()
+
+
+def calibration_samples(request: StageRequest) -> list[dict[str, np.ndarray]]:
     import openvino as ov
 
     from farm.core.calibration import load_samples

@@ -1,7 +1,9 @@
 """The ``convert`` stage, child side: a source into OpenVINO IR (docs/architecture.md §15).
 
-- TFLite, PaddlePaddle, TensorFlow SavedModel and frozen graphs: OpenVINO's own frontends
-  (`ov.convert_model` on the file or folder); no framework installed.
+- TFLite, PaddlePaddle (.pdmodel), TensorFlow SavedModel and frozen graphs: OpenVINO's own
+  frontends (`ov.convert_model` on the file or folder); no framework installed.
+- Paddle 3 programs (.json, PIR; convert arg ``program: pir``): paddle2onnx into ONNX, then
+  OpenVINO's ONNX frontend (converter `paddle`: OpenVINO 2026.4 reads only .pdmodel).
 - PyTorch: a torch.export program (`torch.export.load`) or a TorchScript archive
   (`torch.jit.load`), after checking the zip's layout (`sources.torch_archive_kind`): nothing
   is unpickled with Python's pickle, so a pickled module (`torch.save(model)`) is refused
@@ -39,6 +41,12 @@ DISTRIBUTIONS = {
     sources.TORCHSCRIPT: ("torch",),
     sources.HUGGINGFACE: ("torch", "transformers", "optimum-intel"),
 }
+PADDLE_PIR_MODULES = ("paddle", "paddle2onnx")
+PADDLE_PIR_DISTRIBUTIONS = ("paddlepaddle", "paddle2onnx")
+"""A Paddle 3 program (convert arg ``program: pir``): paddle2onnx writes ONNX, OpenVINO reads it."""
+PADDLE_ONNX_OPSET = 17
+TASK_RT_INFO = ("farm", "task")
+"""Where a Hugging Face folder's IR records the task it was exported for (its rt_info)."""
 _VERSIONS: dict[str, str] = {}
 """Read in `prepare`, before the child switches user (the metadata may be unreadable after)."""
 
@@ -54,11 +62,15 @@ def prepare(
     import openvino  # noqa: F401
 
     fmt = args["format"]
-    for name in FRAMEWORK_MODULES.get(fmt, ()):
+    pir = args.get("program") == sources.PADDLE_PIR
+    for name in PADDLE_PIR_MODULES if pir else FRAMEWORK_MODULES.get(fmt, ()):
         try:
-            importlib.import_module(name)
+            # paddle2onnx prints while it loads; the child's stdout is not a log.
+            with contextlib.redirect_stdout(sys.stderr):
+                importlib.import_module(name)
         except ImportError as error:
             converter = "optimum" if fmt == sources.HUGGINGFACE else "torch"
+            converter = "paddle" if pir else converter
             extra = CONVERTERS[converter].extra
             raise ConverterUnavailable(
                 f"this worker cannot convert {fmt} sources: {error}; install the converter "
@@ -67,8 +79,13 @@ def prepare(
     import openvino as ov
 
     _VERSIONS["openvino"] = ov.get_version()
-    for distribution in DISTRIBUTIONS.get(fmt, ()):
+    for distribution in PADDLE_PIR_DISTRIBUTIONS if pir else DISTRIBUTIONS.get(fmt, ()):
         _VERSIONS[distribution] = _version(distribution)
+    if switching_user and pir:
+        # What paddle2onnx imports as it exports (the compile user may not read them).
+        for name in ("paddle2onnx.convert", "onnx", "paddle.inference"):
+            with contextlib.suppress(ImportError), contextlib.redirect_stdout(sys.stderr):
+                importlib.import_module(name)
     if switching_user and fmt in sources.TORCH_FORMATS:
         _warm_up_torch(fmt)
     if switching_user and fmt == sources.HUGGINGFACE:
@@ -147,7 +164,12 @@ def run(request: StageRequest) -> StageOutcome:
     if fmt == sources.HUGGINGFACE:
         _huggingface(source, request)
         return StageOutcome(dict(_VERSIONS))
-    model = _torch(source, request.args) if fmt in sources.TORCH_FORMATS else _native(source)
+    if request.args.get("program") == sources.PADDLE_PIR:
+        model = _paddle_pir(source, request.out_dir.parent)
+    elif fmt in sources.TORCH_FORMATS:
+        model = _torch(source, request.args)
+    else:
+        model = _native(source)
     ov.save_model(model, request.out_dir / "model.xml", compress_to_fp16=False)
     return StageOutcome(dict(_VERSIONS))
 
@@ -168,14 +190,37 @@ def _native(source: sources.Source) -> Any:
     try:
         return ov.convert_model(str(path))
     except Exception as error:  # OpenVINO raises RuntimeError/OpConversionFailure/...
-        hint = ""
-        if source.format == sources.PADDLE and "json" in source.files:
-            hint = (
-                f"; OpenVINO {ov.get_version().split('-')[0]} reads Paddle's .pdmodel format: "
-                "save the model with FLAGS_enable_pir_api=0 (paddle.jit.save writes "
-                ".pdmodel + .pdiparams then)"
+        raise ConversionError(_failed(source, error)) from error
+
+
+def _paddle_pir(source: sources.Source, scratch: Path) -> Any:
+    """A Paddle 3 program (.json + .pdiparams): paddle2onnx writes ONNX (OpenVINO 2026.4
+    reads only the older .pdmodel), which OpenVINO's ONNX frontend reads."""
+    import openvino as ov
+    import paddle2onnx  # type: ignore[import-untyped]
+
+    onnx = Path(tempfile.mkdtemp(prefix="paddle2onnx-", dir=scratch)) / "model.onnx"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            paddle2onnx.export(
+                str(source.files["json"]),
+                str(source.files["pdiparams"]),
+                save_file=str(onnx),
+                opset_version=PADDLE_ONNX_OPSET,
+                enable_onnx_checker=True,
+                optimize_tool="None",
             )
-        raise ConversionError(_failed(source, error) + hint) from error
+    except Exception as error:  # paddle2onnx asserts, and raises what paddle raises
+        raise ConversionError(_failed(source, error, "paddle2onnx")) from None
+    except SystemExit as exited:  # and exits on some refusals
+        why = RuntimeError(f"it exited with status {exited.code}")
+        raise ConversionError(_failed(source, why, "paddle2onnx")) from None
+    if not onnx.is_file():
+        raise ConversionError(f"cannot convert {_NAME} (paddle): paddle2onnx wrote no model")
+    try:
+        return ov.convert_model(str(onnx))
+    except Exception as error:
+        raise ConversionError(_failed(source, error)) from error
 
 
 def _torch(source: sources.Source, args: dict[str, Any]) -> Any:
@@ -271,8 +316,13 @@ def _huggingface(source: sources.Source, request: StageRequest) -> None:
             f"{_NAME}: optimum-intel wrote no openvino_model.xml (it wrote: {made}); "
             "a pipeline of several models is a job for farm's pipelines"
         )
-    shutil.move(xml, request.out_dir / "model.xml")
-    shutil.move(xml.with_suffix(".bin"), request.out_dir / "model.bin")
+    import openvino as ov
+
+    # The task, in the IR: the reference run loads the task's transformers class from it.
+    model = ov.Core().read_model(xml)
+    model.set_rt_info(request.args["task"], list(TASK_RT_INFO))
+    ov.save_model(model, request.out_dir / "model.xml", compress_to_fp16=False)
+    del model
     shutil.rmtree(exported, ignore_errors=True)
 
 

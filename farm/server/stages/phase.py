@@ -6,6 +6,11 @@ limits (`sandbox.stage_in_child`), its output IR stored as ordinary model files
 (``models/<sha256>``) and registered as a `models` row, then recorded done. A stage recorded
 done is reused, never run again; a job waiting on another job's stage polls, renewing its own
 lease (the job runner's), and fails with that stage's reason if it fails.
+
+A `compress` or `quantize` stage's drift (issue 27 item 4) is its own step: measured in a
+sandboxed child of its own after the compression's child has ended (`sandbox.drift_in_child`),
+timed as the job's `drift` phase (carved out of the stage phase), and recorded in the stage's
+metrics before the stage is done: a stage row is reusable only with its drift recorded.
 """
 
 from __future__ import annotations
@@ -25,16 +30,21 @@ from farm.core import compression, sources
 from farm.core.errors import CompileCancelled, ConversionError
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelInfo
+from farm.core.spec import CompileSpec
 from farm.core.stages import Stage, recipe_from_json, stage_keys
 from farm.server.db.models import Job, Model
-from farm.server.jobs.sandbox import stage_in_child
+from farm.server.jobs import phases
+from farm.server.jobs.sandbox import StageRun, drift_in_child, stage_in_child
 from farm.server.stages import catalog
+from farm.server.stages import drift as drift_step
 from farm.server.storage import BlobStore, LocalPaths, model_storage_key
 
 log = logging.getLogger(__name__)
 
 WAIT_POLL_SECONDS = 1.0
 """How often a job waiting on another job's stage looks at it again."""
+OUTPUT_XML_NAME = {"xml": "model.xml", "bin": "model.bin"}
+"""The names of a compression stage's output IR files where its drift child reads them."""
 Fetch = Callable[[Model, Path], dict[str, Path]]
 """Fetches a model row's files into a folder (laid out by `sources.layout`)."""
 
@@ -58,6 +68,11 @@ class Prepared:
     model: Model
     ran: list[str]
     """Stage keys this job ran (the others were reused or waited for)."""
+    compiled: Any = None
+    """With `run_recipe`'s `compile_spec`, when this job ran its one convert stage: the
+    `CompileResult` of that same child, or the compile's error (to raise as a compile's)."""
+    output: str = ""
+    """That child's output (the compiler's, for the job log)."""
 
 
 def run_recipe(
@@ -69,23 +84,30 @@ def run_recipe(
     fetch: Fetch,
     should_stop: Callable[[], bool],
     limits: StageLimits,
+    compile_spec: tuple[CompileSpec, str] | None = None,
 ) -> Prepared:
-    """Run or reuse every stage of `job.recipe` on `source`; the last stage's output."""
+    """Run or reuse every stage of `job.recipe` on `source`; the last stage's output.
+    `compile_spec` (spec, blob id): a recipe of one `convert` that this job runs is compiled
+    in the converting child too (`Prepared.compiled`); a reused stage is left to the compile."""
     recipe = recipe_from_json(job.recipe)
     keys = stage_keys(source.files, recipe)
     current, current_key, local = source, None, None
     ran = []
+    one_child = compile_spec if len(recipe) == 1 and recipe[0].kind == "convert" else None
+    compiled: StageRun | None = None
     for index, (stage, key) in enumerate(zip(recipe, keys, strict=True)):
         folder = work_dir / f"stage-{index}"
-        current, local = _one_stage(
+        current, local, compiled = _one_stage(
             sessions, store, job, stage, key, current, current_key, folder, fetch, should_stop,
-            limits,
+            limits, one_child,
         )  # fmt: skip
         if local is not None:
             ran.append(key)
         current_key = key
     if local is None:
         local = fetch(current, work_dir / "compile-input")
+    if compiled is not None and compiled.compiled is not None:
+        return Prepared(local, current, ran, compiled.compiled, compiled.output)
     return Prepared(local, current, ran)
 
 
@@ -101,8 +123,10 @@ def _one_stage(
     fetch: Fetch,
     should_stop: Callable[[], bool],
     limits: StageLimits,
-) -> tuple[Model, dict[str, Path] | None]:
-    """The stage's output model row, and its files here when this job ran it (else None)."""
+    compile_spec: tuple[CompileSpec, str] | None = None,
+) -> tuple[Model, dict[str, Path] | None, StageRun | None]:
+    """The stage's output model row, its files here when this job ran it (else None), and
+    the child's run when it ran here."""
     waited_on: int | None = None
     while True:
         if should_stop():
@@ -125,14 +149,14 @@ def _one_stage(
             if claimed.action == "reuse":
                 output = session.get_one(Model, claimed.row.output_model_id)
                 session.expunge(output)
-                return output, None
+                return output, None, None
             if claimed.action == "wait":
                 waited_on = claimed.row.job_id
         if claimed.action == "wait":
             time.sleep(WAIT_POLL_SECONDS)
             continue
         return _run_here(sessions, store, job, stage, key, input_row, folder, fetch, should_stop,
-                         limits)  # fmt: skip
+                         limits, compile_spec)  # fmt: skip
 
 
 def _run_here(
@@ -146,7 +170,8 @@ def _run_here(
     fetch: Fetch,
     should_stop: Callable[[], bool],
     limits: StageLimits,
-) -> tuple[Model, dict[str, Path]]:
+    compile_spec: tuple[CompileSpec, str] | None = None,
+) -> tuple[Model, dict[str, Path], StageRun]:
     started = time.perf_counter()
     try:
         files = fetch(input_row, folder / "input")
@@ -173,20 +198,26 @@ def _run_here(
                     "allow_remote_code": limits.allow_remote_code,
                     "source_name": input_row.name,
                 },
+                compile_spec=compile_spec,
             )
     except BaseException as error:
         with sessions() as session:
             catalog.fail(session, key, job.id, str(error) or type(error).__name__)
         raise
     outputs = {"xml": result.xml, "bin": result.bin}
-    identity = {role: sha256_file(path) for role, path in outputs.items()}
+    # Hashed by the child while it compiled: the store checks the digest as it takes a file
+    # in (one read); a file it holds already is read here, never taken on the child's word.
+    identity = result.sha256 or {role: sha256_file(path) for role, path in outputs.items()}
     size = sum(path.stat().st_size for path in outputs.values())
     for role, path in outputs.items():
         store_key = model_storage_key(identity[role])
         if store.exists(store_key):
+            if result.sha256 and sha256_file(path) != identity[role]:
+                raise ConversionError(f"{stage.kind}: its output {role} is not what it reported")
             continue
         stored = store.adopt_file(store_key, path)  # a local store moves it: no copy
         if stored.sha256 != identity[role]:
+            store.delete(store_key)  # ours, just made: not what its key says
             raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
         if not path.exists():  # moved into a local store: the compile reads it there
             assert isinstance(store, LocalPaths)
@@ -201,6 +232,12 @@ def _run_here(
         name = f"{input_row.name} ({stage.kind})"
         output = register_model(session, ModelInfo(identity, name, size))
         session.commit()
+        session.expunge(output)
+    metrics = {**result.metrics, "output_bytes": size}
+    if stage.kind in (compression.COMPRESS, compression.QUANTIZE):
+        metrics.update(_drift(sessions, job, stage, key, files, names, outputs, folder, should_stop,
+                              limits))  # fmt: skip
+    with sessions() as session:
         recorded = catalog.finish(
             session,
             key,
@@ -208,14 +245,64 @@ def _run_here(
             output_model_id=output.id,
             output_files=identity,
             tool_versions=result.tool_versions,
-            metrics={**result.metrics, "output_bytes": size},
+            metrics=metrics,
             seconds=seconds,
         )
         if not recorded:
             log.warning("stage %s was taken over while job %s ran it", key, job.id)
-        session.expunge(output)
     log.info("job %s ran stage %s (%s) in %.1f s", job.id, stage.kind, key[:12], seconds)
-    return output, outputs
+    return output, outputs, result
+
+
+def _drift(
+    sessions: sessionmaker[Session],
+    job: Job,
+    stage: Stage,
+    key: str,
+    files: dict[str, Path],
+    names: dict[str, str],
+    outputs: dict[str, Path],
+    folder: Path,
+    should_stop: Callable[[], bool],
+    limits: StageLimits,
+) -> dict[str, Any]:
+    """The compression stage's drift, measured in its own child (the job's `drift` phase) on
+    the stage's input (`files` at `names`, calibration files included) and its output IR:
+    `drift` (or None and `drift_note`), `drift_seconds` (the two CPU runs), the child's
+    `drift_child_seconds` and `drift_peak_rss_bytes`. A failure fails the stage."""
+    staged = dict(files)
+    staged_names = dict(names)
+    for role, path in outputs.items():
+        staged[f"{drift_step.COMPRESSED}{role}"] = path
+        staged_names[f"{drift_step.COMPRESSED}{role}"] = f"compressed/{OUTPUT_XML_NAME[role]}"
+    try:
+        with phases.step("drift"), _renewing(sessions, key, job.id, limits.lease_seconds):
+            measured = drift_in_child(
+                stage.kind,
+                staged,
+                staged_names,
+                stage.args,
+                folder / "drift",
+                key,
+                timeout_seconds=limits.timeout_seconds,
+                memory_bytes=limits.memory_bytes,
+                compile_user=limits.compile_user,
+                compile_launcher=limits.compile_launcher,
+                should_stop=should_stop,
+            )
+    except BaseException as error:
+        with sessions() as session:
+            catalog.fail(session, key, job.id, f"drift: {str(error) or type(error).__name__}")
+        raise
+    metrics = {
+        "drift": measured.get("drift"),
+        "drift_seconds": measured.get("drift_seconds"),
+        "drift_child_seconds": measured.get("seconds"),
+        "drift_peak_rss_bytes": measured.get("peak_rss_bytes"),
+    }
+    if measured.get("drift_note"):
+        metrics["drift_note"] = measured["drift_note"]
+    return metrics
 
 
 @contextmanager

@@ -16,6 +16,12 @@ right after OpenVINO wrote it; neither is read twice (`put_version`, `adopt_file
   all (and refused if its bytes changed).
 - A blob is *moved*: the file is the farm's own, hashed once (the row records its sha256),
   flushed, and renamed into place.
+
+The embedded `farm submit` starts that copy early (`prestage`, on a thread, right after the
+model was hashed), so the kernel copies and flushes it while the command imports OpenVINO,
+checks the model and opens the database; `put_version` then finds the copy made, checks the
+versions as above and renames it into place. A copy nobody took (a hit, an error) is deleted
+(`discard_prestaged`). Issue 30, item 3; bench/README.md "submit_overhead".
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -60,10 +67,25 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
     def writer(self, key: str, expected_sha256: str | None = None) -> ObjectWriter:
         return _LocalWriter(self._path(key), key, expected_sha256)
 
+    def prestage(self, key: str, path: str | Path, version: FileVersion) -> None:
+        """Start copying `path` (at `version`) towards `key` on a thread, for the
+        `put_version` that follows; nothing if the object is stored or being copied."""
+        target = self._path(key)
+        entry = (target, str(path))
+        if entry in _PRESTAGED or target.is_file():
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _PRESTAGED[entry] = _Prestaged(Path(path), target, version)
+
     def put_version(
         self, key: str, path: str | Path, sha256: str, version: FileVersion
     ) -> StoredObject:
         target = self._path(key)
+        staged = _PRESTAGED.pop((target, str(path)), None)
+        if staged is not None:
+            stored = staged.take(version)
+            if stored is not None:
+                return StoredObject(key, stored, sha256)
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".partial")
         try:
@@ -161,6 +183,62 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             ) from error
 
 
+class _Prestaged:
+    """A model file being copied into the store on a thread (`LocalStore.prestage`)."""
+
+    def __init__(self, source: Path, target: Path, version: FileVersion) -> None:
+        self.source, self.target, self.version = source, target, version
+        self.temporary = _partial_name(target)
+        self.stop = threading.Event()
+        self.size: int | None = None
+        self.after: FileVersion | None = None
+        self.thread = threading.Thread(target=self._copy, name="farm-prestage", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        try:
+            with open(self.source, "rb") as source, open(self.temporary, "xb") as sink:
+                info = os.fstat(source.fileno())
+                if version_of(info) != self.version:
+                    return
+                os.fchmod(sink.fileno(), stat.S_IMODE(info.st_mode) & 0o444 | 0o600)
+                size = _copy(source.fileno(), sink.fileno(), self.stop)
+                if self.stop.is_set():
+                    return
+                os.fsync(sink.fileno())
+                self.after = version_of(os.fstat(source.fileno()))
+                self.size = size
+        except Exception:
+            self.size = None  # put_version copies the file itself
+
+    def take(self, version: FileVersion) -> int | None:
+        """Rename the finished copy into place if the source kept `version` throughout; its
+        size, or None (the caller copies again)."""
+        self.thread.join()
+        try:
+            if self.size is None or not self.version == self.after == version:
+                return None
+            os.replace(self.temporary, self.target)
+            return self.size
+        finally:
+            self.temporary.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.temporary.unlink(missing_ok=True)
+
+
+_PRESTAGED: dict[tuple[Path, str], _Prestaged] = {}
+"""This process's model copies started by `LocalStore.prestage`, by (target, source)."""
+
+
+def discard_prestaged() -> None:
+    """Stop and delete the copies `prestage` started that no `put_version` took."""
+    while _PRESTAGED:
+        _PRESTAGED.popitem()[1].discard()
+
+
 def _partial_name(target: Path) -> Path:
     """A fresh name for a partial file beside `target` (what `_LocalWriter` writes too)."""
     return target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
@@ -193,12 +271,16 @@ def _start_writeback(descriptor: int) -> None:
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _copy(source: int, sink: int) -> int:
-    """Copy the whole file `source` to `sink` in the kernel; returns the bytes copied."""
+def _copy(source: int, sink: int, stop: threading.Event | None = None) -> int:
+    """Copy the whole file `source` to `sink` in the kernel; returns the bytes copied. `stop`:
+    set, the copy ends early (at the next 64 MiB)."""
     copied = 0
+    chunk = 1 << 30 if stop is None else 1 << 26
     try:
-        while count := os.copy_file_range(source, sink, 1 << 30):
+        while count := os.copy_file_range(source, sink, chunk):
             copied += count
+            if stop is not None and stop.is_set():
+                return copied
     except OSError as error:
         # No copy_file_range here (old kernel, another file system, a FUSE mount): read/write.
         if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from farm.server.api.routes import blobs, channels, health, jobs, keys, models, stages, workers
+from farm.server.api.routes import (
+    blobs,
+    bundles,
+    channels,
+    health,
+    jobs,
+    keys,
+    models,
+    stages,
+    workers,
+)
 
 ROUTERS = (
     health.router,
@@ -13,4 +23,5 @@ ROUTERS = (
     workers.router,
     channels.router,
     stages.router,
+    bundles.router,
 )

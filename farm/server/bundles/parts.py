@@ -1,0 +1,333 @@
+"""The parts of a pipeline bundle (docs/architecture.md §17, "Parts").
+
+A bundle is the folder's own files plus every part's output files. A *part* is what compiles
+as one unit: the whole pipeline as GenAI compiles it (``pipeline``), or a sub-model that GenAI
+lets compile apart and then loads from the cache when the pipeline opens (a Stable Diffusion
+folder's ``text_encoder``, ``unet``, ``vae_decoder`` on CPU: `farm.core.pipelines.part_files`).
+Each part has a part key (`farm.core.pipelines.part_key`: its files, the target, the options
+and the toolchain), so the same sub-model in two pipelines compiles once: a compiled part is
+stored under ``bundle-parts/<part_key>.json``, listing its files by sha256 under
+``bundle-files/``, and reused by every bundle that has it.
+
+`plan_parts` is pure (it reads and hashes the folder; `plan_from_identity` plans from digests
+alone); `compile_part` compiles one part where its caller runs it: in this process or in the
+sandboxed child (`sandboxed_part`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from farm.core.bundles import CACHE_FOLDER, BundleFile
+from farm.core.errors import CompileError, PipelineError
+from farm.core.hashing import sha256_file
+from farm.core.pipelines import (
+    WHOLE_PIPELINE,
+    GenAIOptions,
+    PipelineFolder,
+    compile_memory_bytes,
+    detect,
+    hf_pipeline,
+    identity,
+    is_huggingface_folder,
+    key_options,
+    memory_for_weights,
+    part_files,
+    part_key,
+    part_model,
+)
+from farm.core.spec import Target
+from farm.server.bundles.storage import file_storage_key
+from farm.server.jobs.runner import RunLimits
+from farm.server.storage import BlobStore
+
+WHOLE = WHOLE_PIPELINE
+"""The name of the part that is the whole pipeline as GenAI compiles it."""
+PART_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    """``pipeline`` (the whole pipeline as GenAI compiles it) or a sub-model (``text_encoder``,
+    ``unet``, ``vae_decoder``)."""
+    key: str
+    """The part key (`farm.core.pipelines.part_key`): its files, target, options, toolchain."""
+    files: dict[str, str]
+    """Relative path in the folder -> sha256 of what this part compiles."""
+    memory_bytes: int
+    """Estimated compile memory (the rule `check_memory` uses)."""
+
+
+@dataclass(frozen=True)
+class PartOutput:
+    files: dict[str, Path]
+    """The bundle's relative path (``cache/<entry>``, ``openvino_model.blob``, the exported
+    folder's files for a Hugging Face folder) -> the file written."""
+    metrics: dict[str, Any]
+    """What the compile measured; ``reference``: the reference run's output, when recorded."""
+
+
+def folder_of(folder: Path, kind: str | None) -> PipelineFolder:
+    """The pipeline folder at `folder`: an OpenVINO pipeline folder, or a Hugging Face folder
+    to export first."""
+    if is_huggingface_folder(folder):
+        return hf_pipeline(folder, kind)
+    return detect(folder, kind)
+
+
+def options_of(
+    kind: str, target: Target, options: GenAIOptions | Mapping[str, Any]
+) -> GenAIOptions:
+    """`options` as `GenAIOptions` (a canonical mapping, as stored with a job, is accepted;
+    its ``convert`` entry belongs to the key, not to the compile)."""
+    if isinstance(options, GenAIOptions):
+        return options
+    values = {name: value for name, value in options.items() if name != "convert"}
+    return GenAIOptions(kind=kind, target=target, values=values)
+
+
+def plan_from_identity(
+    kind: str,
+    files: Mapping[str, str],
+    sizes: Mapping[str, int],
+    target: Target,
+    key_options: Mapping[str, Any],
+    toolchain: Mapping[str, str],
+    whole_memory_bytes: int,
+) -> list[Part]:
+    """The parts of a pipeline known by its digests (`files`: relative path -> sha256, `sizes`:
+    relative path -> bytes), for a farm that has not the folder itself. `key_options` are the
+    options of the key (`farm.core.pipelines.key_options`); `whole_memory_bytes` the estimate
+    for the whole pipeline (`compile_memory_bytes`)."""
+    parts = []
+    for name, paths in part_files(kind, files, target).items():
+        mine = {path: files[path] for path in paths}
+        if name == WHOLE:
+            memory = whole_memory_bytes
+        else:
+            weights = sum(sizes[path] for path in paths if path.endswith(".bin"))
+            memory = memory_for_weights(kind, weights, target)
+        model = part_model(mine, name)
+        key = part_key(kind, name, model, target, key_options, toolchain)
+        parts.append(Part(name=name, key=key, files=mine, memory_bytes=memory))
+    return parts
+
+
+def plan_parts(
+    folder: Path,
+    kind: str | None,
+    target: Target,
+    options: GenAIOptions | Mapping[str, Any],
+    toolchain: Mapping[str, str],
+) -> list[Part]:
+    """The parts that compile `folder` for `target`, in the order to compile them."""
+    pipeline = folder_of(Path(folder), kind)
+    genai = options_of(pipeline.kind, target, options)
+    return plan_from_identity(
+        pipeline.kind,
+        identity(pipeline),
+        {path: file.stat().st_size for path, file in pipeline.files.items()},
+        target,
+        key_options(pipeline, genai),
+        toolchain,
+        compile_memory_bytes(pipeline, target),
+    )
+
+
+def compile_part(
+    folder: Path,
+    kind: str | None,
+    part: Part,
+    target: Target,
+    options: GenAIOptions | Mapping[str, Any],
+    out_dir: Path,
+) -> PartOutput:
+    """Compile `part` of `folder` into the empty folder `out_dir`; its output files by their
+    path in the bundle. A Hugging Face folder is exported first (its exported files are among
+    the outputs: the bundle ships them, not the source).
+
+    Note: the export imports torch and transformers lazily from the worker's Python; in the
+    sandboxed child it runs before the switch of user (`farm.server.bundles.export`)."""
+    from farm.server.bundles.compile import compile_pipeline, compile_sub_model
+
+    pipeline = folder_of(Path(folder), kind)
+    genai = options_of(pipeline.kind, target, options)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if part.name != WHOLE:
+        if pipeline.convert_task is not None or part.name not in part_files(
+            pipeline.kind, pipeline.files, target
+        ):
+            raise PipelineError(
+                f"{pipeline.root}: {part.name!r} does not compile apart in a {pipeline.kind} "
+                f"pipeline for {target}"
+            )
+        return PartOutput(
+            files=compile_sub_model(pipeline, part.name, genai, out_dir / "work"), metrics={}
+        )
+    exported: dict[str, Path] = {}
+    if pipeline.convert_task is not None:
+        from farm.server.bundles.export import export_huggingface
+
+        pipeline = export_huggingface(pipeline, out_dir / "export-hf")
+        exported = dict(pipeline.files)
+    compiled = compile_pipeline(pipeline, genai, out_dir / "work")
+    outputs = dict(compiled.outputs)
+    clash = sorted(outputs.keys() & exported.keys())
+    if clash:
+        raise PipelineError(f"the exported folder has files named like compiled outputs: {clash}")
+    return PartOutput(files=outputs | exported, metrics={"reference": compiled.reference})
+
+
+# --- parts in the store (compiled once, reused) ------------------------------------------------
+
+
+def part_storage_key(key: str) -> str:
+    return f"bundle-parts/{key}.json"
+
+
+def stored_part(store: BlobStore, key: str) -> tuple[list[BundleFile], dict[str, Any]] | None:
+    """The files (by their path in a bundle) and metrics of compiled part `key`, or None."""
+    storage_key = part_storage_key(key)
+    if not store.exists(storage_key):
+        return None
+    with store.open_read(storage_key) as stream:
+        document = json.load(stream)
+    files = [BundleFile(f["path"], f["sha256"], int(f["size"])) for f in document["files"]]
+    return files, dict(document.get("metrics") or {})
+
+
+def publish_part(store: BlobStore, part: Part, output: PartOutput) -> list[BundleFile]:
+    """Store a compiled part's files under ``bundle-files/<sha256>`` (once each), then its
+    listing under ``bundle-parts/<part_key>.json``, last: a part exists only when its files do."""
+    if not output.files:
+        raise CompileError(f"the {part.name} part compiled no file: nothing to ship")
+    entries = []
+    for path, local in sorted(output.files.items()):
+        sha = sha256_file(local)
+        if not store.exists(file_storage_key(sha)):
+            store.put_file(file_storage_key(sha), local, expected_sha256=sha)
+        entries.append(BundleFile(path, sha, local.stat().st_size))
+    document = {
+        "v": PART_VERSION,
+        "part": part.name,
+        "part_key": part.key,
+        "files": [{"path": e.path, "sha256": e.sha256, "size": e.size} for e in entries],
+        "metrics": output.metrics,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
+        json.dump(document, out)
+    try:
+        store.put_file(part_storage_key(part.key), out.name)
+    finally:
+        Path(out.name).unlink(missing_ok=True)
+    return entries
+
+
+PartCompile = Callable[[PipelineFolder, GenAIOptions, Part, Path], PartOutput]
+"""Compiles one part of a folder into an empty work folder: in this process (`in_process`) or
+in the sandboxed child with the farm's limits (`sandboxed_part`)."""
+
+
+def in_process(folder: PipelineFolder, options: GenAIOptions, part: Part, work: Path) -> PartOutput:
+    return compile_part(folder.root, folder.kind, part, options.target, options, work)
+
+
+@dataclass(frozen=True)
+class BuiltParts:
+    files: list[BundleFile]
+    """Every part's output files, by their path in the bundle."""
+    reference: dict[str, Any]
+    compiled: list[str]
+    """The parts compiled by this build (the others were reused from the store)."""
+
+
+def build_parts(
+    store: BlobStore,
+    folder: PipelineFolder,
+    options: GenAIOptions,
+    toolchain: Mapping[str, str],
+    compile: PartCompile = in_process,
+    files: Mapping[str, str] | None = None,
+) -> BuiltParts:
+    """Compile each part of `folder` not yet in the store (a part another bundle compiled is
+    reused), store it, and return the outputs of all parts: the embedded farm's build.
+    `files`: the folder's `identity`, when the caller has it (not hashed again)."""
+    parts = plan_from_identity(
+        folder.kind,
+        identity(folder) if files is None else files,
+        {path: file.stat().st_size for path, file in folder.files.items()},
+        options.target,
+        key_options(folder, options),
+        toolchain,
+        compile_memory_bytes(folder, options.target),
+    )
+    outputs: list[BundleFile] = []
+    reference: dict[str, Any] = {}
+    compiled: list[str] = []
+    for part in parts:
+        found = stored_part(store, part.key)
+        if found is None:
+            with tempfile.TemporaryDirectory(prefix=f"farm-part-{part.name}-") as scratch:
+                output = compile(folder, options, part, Path(scratch))
+                found = publish_part(store, part, output), output.metrics
+            compiled.append(part.name)
+        entries, metrics = found
+        outputs.extend(entries)
+        if part.name == WHOLE:
+            reference = dict(metrics.get("reference") or {})
+    if all(part.name != WHOLE for part in parts):
+        reference = check_parts(store, folder, options, outputs)
+    return BuiltParts(files=outputs, reference=reference, compiled=compiled)
+
+
+def check_parts(
+    store: BlobStore, folder: PipelineFolder, options: GenAIOptions, files: list[BundleFile]
+) -> dict[str, Any]:
+    """The last step of a bundle of sub-model parts: open the pipeline on a cache of exactly
+    the parts' entries (from the store) and check it compiles nothing; the reference run.
+    Note: runs in this process (it compiles nothing when the parts are right)."""
+    from farm.server.bundles.compile import check_assembled
+
+    with tempfile.TemporaryDirectory(prefix="farm-parts-check-") as scratch:
+        cache = Path(scratch) / CACHE_FOLDER
+        cache.mkdir()
+        for entry in files:
+            if not entry.path.startswith(f"{CACHE_FOLDER}/"):
+                continue
+            with (
+                store.open_read(file_storage_key(entry.sha256)) as stream,
+                open(Path(scratch) / entry.path, "wb") as sink,
+            ):
+                shutil.copyfileobj(stream, sink)
+        return check_assembled(folder, options, cache)
+
+
+def sandboxed_part(limits: RunLimits) -> PartCompile:
+    """Compile a part in a child with the compile's limits (time, memory, user, environment):
+    `farm.server.bundles.compile.child_main`, the part named in its options (`PART_OPTION`)."""
+    from farm.server.bundles.compile import PART_OPTION
+    from farm.server.jobs.sandbox import pipeline_in_child
+
+    def run(folder: PipelineFolder, options: GenAIOptions, part: Part, work: Path) -> PartOutput:
+        done = pipeline_in_child(
+            folder.files,
+            folder.kind,
+            options.target.name,
+            options.canonical() | {PART_OPTION: part.name},
+            work / "out",
+            part.key,
+            timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
+            compile_user=limits.compile_user,
+            convert_task=folder.convert_task,
+        )
+        return PartOutput(files=dict(done.outputs), metrics={"reference": done.reference})
+
+    return run

@@ -1,0 +1,331 @@
+"""A worker's side of served pipeline bundles (§17): claim a part, compile it in the sandboxed
+child, store its files, and publish every bundle it completes.
+
+A part is claimed with a conditional UPDATE (queued, or running under an expired lease → running
+with this worker and a lease), so a duplicate or late message finds it taken or done and does
+nothing; the lease is renewed while the child compiles, and a part whose lease was taken over
+stops. The last part of a bundle to finish publishes it: its files are already under
+`bundle-files/<sha256>`, the folder's own files are copied there from `models/`, and the signed
+manifest goes to `bundles/<bundle_key>.json` last. Every worker that finds a bundle complete
+publishes the same bytes (Ed25519 signatures are deterministic), so two that race are harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from farm.core.bundles import BundleFile, BundleManifest, sign
+from farm.core.clock import now
+from farm.core.errors import FarmError, KeyFileError, Kind, PipelineError
+from farm.core.signing import Signer
+from farm.server.bundles.builds import (
+    DONE,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    builds_of_part,
+    fail_builds,
+    parts_of,
+    stage_folder,
+)
+from farm.server.bundles.compile import PART_OPTION
+from farm.server.bundles.parts import WHOLE, Part, PartOutput, publish_part, stored_part
+from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
+from farm.server.db.models import BundleBuild, BundlePart
+from farm.server.db.session import rows_changed
+from farm.server.jobs.runner import RunLimits
+from farm.server.jobs.sandbox import pipeline_in_child
+from farm.server.leases import Renewing
+from farm.server.storage import BlobStore, model_storage_key
+
+log = logging.getLogger(__name__)
+
+Sessions = sessionmaker[Session]
+
+
+def run_part(
+    sessions: Sessions,
+    store: BlobStore,
+    part_id: int,
+    *,
+    worker: str,
+    limits: RunLimits,
+    signer: Signer | None,
+) -> str | None:
+    """Compile part `part_id` here if it is there to take; publish what it completes. The
+    part's state afterwards (None: no such part)."""
+    with sessions() as session:
+        part = session.get(BundlePart, part_id)
+        if part is None:
+            return None
+        if not _claim(session, part_id, worker, limits.lease_seconds):
+            session.refresh(part)
+            if part.state == DONE:  # a re-send, or a bundle whose parts were all done
+                publish_ready(session, store, signer, part_id)
+            return part.state
+        session.refresh(part)
+        build = session.get(BundleBuild, part.bundle_build_id)
+        assert build is not None
+        for other in builds_of_part(session, part_id):
+            if other.state == QUEUED:
+                other.state, other.updated_at = RUNNING, now()
+        session.commit()
+        files, kind, target = dict(build.files), build.pipeline, build.target
+        options = {k: v for k, v in build.options.items() if k != "convert"}
+        convert_task = build.convert_task
+        unit = Part(part.name, part.part_key, files, part.memory_bytes)
+    started = time.monotonic()
+    try:
+        found = stored_part(store, unit.key)  # compiled before (the embedded farm's store)
+        if found is not None:
+            entries, metrics = found
+        else:
+            with tempfile.TemporaryDirectory(prefix="farm-part-") as scratch:
+                root = Path(scratch) / "folder"
+                stage_folder(store, files, root, full=True)
+                with _lease(sessions, part_id, worker, limits.lease_seconds) as lease:
+                    done = pipeline_in_child(
+                        {path: root / path for path in files},
+                        kind,
+                        target,
+                        options | {PART_OPTION: unit.name},
+                        Path(scratch) / "out",
+                        unit.key,
+                        timeout_seconds=limits.max_run_seconds,
+                        memory_bytes=limits.memory_bytes,
+                        compile_user=limits.compile_user,
+                        should_stop=lease.should_stop,
+                        convert_task=convert_task,
+                    )
+                if lease.lost.is_set():
+                    log.warning("bundle part %s was taken over; its output is dropped", part_id)
+                    return RUNNING
+                metrics = {"reference": done.reference}
+                entries = publish_part(store, unit, PartOutput(dict(done.outputs), metrics))
+        outputs = {e.path: {"sha256": e.sha256, "size": e.size} for e in entries}
+    except FarmError as error:
+        if error.kind is not Kind.INFRASTRUCTURE:  # the part's own failure: not retried
+            _fail(sessions, part_id, worker, str(error))
+            return FAILED
+        _release(sessions, part_id, worker)
+        raise
+    except BaseException:
+        _release(sessions, part_id, worker)  # the retry (or the reconciler) takes it again
+        raise
+    seconds = time.monotonic() - started
+    with sessions() as session:
+        finished = rows_changed(
+            session,
+            update(BundlePart)
+            .where(
+                BundlePart.id == part_id, BundlePart.state == RUNNING, BundlePart.worker == worker
+            )
+            .values(
+                state=DONE,
+                output_files=outputs,
+                metrics={**metrics, "seconds": round(seconds, 3)},
+                seconds=seconds,
+                finished_at=now(),
+                lease_expires_at=None,
+                error=None,
+            ),
+        )
+        session.commit()
+        if finished:
+            publish_ready(session, store, signer, part_id)
+        return DONE if finished else RUNNING
+
+
+def _ours(part_id: int, worker: str) -> tuple:
+    """The part is running under this worker's claim."""
+    return (BundlePart.id == part_id, BundlePart.state == RUNNING, BundlePart.worker == worker)
+
+
+def _claim(session: Session, part_id: int, worker: str, lease_seconds: int) -> bool:
+    at = now()
+    taken = rows_changed(
+        session,
+        update(BundlePart)
+        .where(
+            BundlePart.id == part_id,
+            (BundlePart.state == QUEUED)
+            | ((BundlePart.state == RUNNING) & (BundlePart.lease_expires_at < at)),
+        )
+        .values(
+            state=RUNNING,
+            worker=worker,
+            attempts=BundlePart.attempts + 1,
+            lease_expires_at=at + timedelta(seconds=lease_seconds),
+            started_at=at,
+            error=None,
+        ),
+    )
+    session.commit()
+    return taken == 1
+
+
+def _fail(sessions: Sessions, part_id: int, worker: str, reason: str) -> None:
+    with sessions() as session:
+        failed = rows_changed(
+            session,
+            update(BundlePart)
+            .where(
+                BundlePart.id == part_id, BundlePart.state == RUNNING, BundlePart.worker == worker
+            )
+            .values(state=FAILED, error=reason[:4000], finished_at=now(), lease_expires_at=None),
+        )
+        if failed:
+            part = session.get(BundlePart, part_id)
+            assert part is not None
+            session.refresh(part)
+            fail_builds(session, part, reason)
+        session.commit()
+
+
+def _release(sessions: Sessions, part_id: int, worker: str) -> None:
+    """Give the part back to its queue (an infrastructure error: the task is retried)."""
+    try:
+        with sessions() as session:
+            session.execute(
+                update(BundlePart)
+                .where(
+                    BundlePart.id == part_id,
+                    BundlePart.state == RUNNING,
+                    BundlePart.worker == worker,
+                )
+                .values(state=QUEUED, lease_expires_at=None)
+            )
+            session.commit()
+    except Exception:  # the database itself failed: the lease expires and the reconciler acts
+        log.warning("could not give bundle part %s back", part_id, exc_info=True)
+
+
+# --- publishing ------------------------------------------------------------------------------
+
+
+def publish_ready(
+    session: Session, store: BlobStore, signer: Signer | None, part_id: int
+) -> list[str]:
+    """Publish every bundle of part `part_id` whose parts are all done; their keys."""
+    keys = []
+    for build in builds_of_part(session, part_id):
+        if build.state in (DONE, FAILED) and published(store, build.bundle_key) is not None:
+            continue
+        parts = parts_of(session, build.id)
+        if not parts or any(p.state != DONE for p in parts):
+            continue
+        publish(store, signer, build, parts)
+        at = now()
+        build.state, build.error, build.finished_at, build.updated_at = DONE, None, at, at
+        session.commit()
+        keys.append(build.bundle_key)
+    return keys
+
+
+def publish(
+    store: BlobStore, signer: Signer | None, build: BundleBuild, parts: list[BundlePart]
+) -> dict[str, Any]:
+    """Store the folder's files beside the parts' outputs and the signed manifest last (a
+    bundle exists only when all its files do); an existing manifest is kept."""
+    existing = published(store, build.bundle_key)
+    if existing is not None:
+        return existing
+    if signer is None:
+        raise KeyFileError(
+            "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
+        )
+    entries: dict[str, BundleFile] = {}
+    if build.convert_task is None:  # a Hugging Face folder ships its exported folder instead
+        for path, sha in sorted(build.files.items()):
+            stored = _copy_model_file(store, sha)
+            entries[path] = BundleFile(path, sha, stored)
+    reference: dict[str, Any] = {}
+    compiled: list[BundleFile] = []
+    for part in parts:
+        for path, output in sorted((part.output_files or {}).items()):
+            if path in entries:
+                raise PipelineError(f"bundle part {part.name}: an output is named like {path}")
+            entries[path] = BundleFile(path, output["sha256"], int(output["size"]))
+            compiled.append(entries[path])
+        if part.name == WHOLE:
+            reference = dict((part.metrics or {}).get("reference") or {})
+    if all(part.name != WHOLE for part in parts):  # sub-models compiled apart: assemble them
+        reference = _check_assembled(store, build, compiled)
+    manifest = BundleManifest(
+        bundle_key=build.bundle_key,
+        pipeline=build.pipeline,
+        target=build.target,
+        options={k: v for k, v in build.options.items() if k != "convert"},
+        toolchain=dict(build.toolchain),
+        files=tuple(entries[path] for path in sorted(entries)),
+        reference=reference,
+    )
+    signed = sign(manifest, signer)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
+        json.dump(signed, out)
+    try:
+        store.put_file(manifest_storage_key(build.bundle_key), out.name)
+    finally:
+        Path(out.name).unlink(missing_ok=True)
+    return signed
+
+
+def _check_assembled(
+    store: BlobStore, build: BundleBuild, compiled: list[BundleFile]
+) -> dict[str, Any]:
+    """Open the pipeline on exactly its parts' cache entries and check it compiles nothing
+    (`farm.server.bundles.parts.check_parts`): the bundle's reference run."""
+    from farm.core.spec import Target
+    from farm.server.bundles.builds import recognise
+    from farm.server.bundles.parts import check_parts, options_of
+
+    with tempfile.TemporaryDirectory(prefix="farm-bundle-check-") as scratch:
+        root = Path(scratch) / "folder"
+        stage_folder(store, build.files, root, full=True)
+        folder = recognise(root, build.pipeline)
+        options = options_of(folder.kind, Target.parse(build.target), build.options)
+        return check_parts(store, folder, options, compiled)
+
+
+def _copy_model_file(store: BlobStore, sha: str) -> int:
+    """`models/<sha>` → `bundle-files/<sha>` (the edge fetches every file of a bundle from
+    there); its size."""
+    target = file_storage_key(sha)
+    found = store.stat(target)
+    if found is not None:
+        return found.size
+    with store.open_read(model_storage_key(sha)) as source, store.writer(target, sha) as writer:
+        while chunk := source.read(writer.chunk_bytes):
+            writer.write(chunk)
+        stored = writer.commit()
+    return stored.size
+
+
+def _lease(sessions: Sessions, part_id: int, worker: str, lease_seconds: int) -> Renewing:
+    """A running part's lease; lost once the part is no longer this worker's."""
+
+    def renew() -> bool:
+        with sessions() as session:
+            changed = rows_changed(
+                session,
+                update(BundlePart)
+                .where(
+                    BundlePart.id == part_id,
+                    BundlePart.state == RUNNING,
+                    BundlePart.worker == worker,
+                )
+                .values(lease_expires_at=now() + timedelta(seconds=lease_seconds)),
+            )
+            session.commit()
+        return bool(changed)
+
+    return Renewing(renew, max(lease_seconds / 3, 0.2), f"bundle part {part_id}")

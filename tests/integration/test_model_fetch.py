@@ -1,0 +1,46 @@
+"""A worker's model fetch from S3 (the real SeaweedFS): ranged GETs in parallel, hashed in order
+as they arrive (`model_cache.download_hashed`), so the sha256 overlaps the transfer; every
+byte lands where it belongs, whatever the part boundaries, and a stored object whose bytes
+are not its digest is never cached."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from farm.core.errors import IntegrityMismatch
+from farm.core.filecache import BlobCache
+from farm.server.jobs import model_cache
+from farm.server.storage import model_storage_key
+
+
+@pytest.mark.parametrize("size", [0, 1, 3 * 2**20, 5 * 2**20 + 12345])
+def test_parts_land_in_place_and_the_digest_is_the_whole_files(
+    s3_store, tmp_path, monkeypatch, size
+):
+    monkeypatch.setattr(model_cache, "FETCH_PART_BYTES", 2**20)  # many parts, one short
+    data = os.urandom(size)
+    digest = hashlib.sha256(data).hexdigest()
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    key = model_storage_key(digest)
+    s3_store.put_file(key, source, expected_sha256=digest)
+    dest = tmp_path / "fetched"
+    assert model_cache.download_hashed(s3_store, key, dest) == digest
+    assert dest.read_bytes() == data
+
+
+def test_a_corrupt_object_is_refused_and_not_cached(s3_store, tmp_path, monkeypatch):
+    monkeypatch.setattr(model_cache, "FETCH_PART_BYTES", 2**20)
+    data = os.urandom(3 * 2**20 + 7)
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    claimed = hashlib.sha256(b"other bytes").hexdigest()
+    key = model_storage_key(claimed)
+    s3_store.put_file(key, source)  # stored under a digest that is not its own
+    cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    with pytest.raises(IntegrityMismatch, match="not cached, not used"):
+        model_cache.link_model_file(cache, s3_store, key, claimed, tmp_path / "job" / "m.bin")
+    assert BlobCache.get(cache, claimed) is None

@@ -1,0 +1,225 @@
+"""Served pipeline bundles' rules (docs/architecture.md §17) on a real database and store (the
+embedded SQLite and a local folder), the broker a stub: submit, single flight per part key,
+claims and leases, the reconciler, memory routing, publishing by the last part."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select, update
+
+from farm.core.bundles import verify
+from farm.core.clock import now
+from farm.core.errors import ModelMissing, PipelineError, SpecError
+from farm.core.hashing import sha256_file
+from farm.core.signing import Signer, TrustedKeys
+from farm.core.spec import Target
+from farm.server import routing
+from farm.server.bundles import builds, served
+from farm.server.bundles.reconcile import reconcile_parts
+from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
+from farm.server.db.models import BundleBuild, BundlePart
+from farm.server.storage import model_storage_key
+from tests.unit.test_pipelines import _llm
+
+CPU = Target.parse("CPU")
+TOOLCHAIN = {
+    "openvino": "2026.4.1",
+    "openvino_genai": "2026.4.1.0",
+    "openvino_tokenizers": "2026.4.1.0",
+    "runtime_requirements": "avx2",
+}
+GIB = 1 << 30
+
+
+def _uploaded(farm, root: Path) -> dict[str, str]:
+    """The folder's files stored as model files (what the API's uploads do)."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        sha = sha256_file(path)
+        farm.store.put_file(model_storage_key(sha), path)
+        files[path.relative_to(root).as_posix()] = sha
+    return files
+
+
+@pytest.fixture
+def folder(served_farm, tmp_path: Path) -> dict[str, str]:
+    files = _uploaded(served_farm, _llm(tmp_path / "llm"))
+    del files["README.md"]  # not read by GenAI: not part of the key
+    return files
+
+
+def _request(files: dict[str, str], **changes) -> builds.BundleRequest:
+    fields = {"pipeline": "llm", "files": files, "target": "CPU", "toolchain": TOOLCHAIN}
+    return builds.BundleRequest(**{**fields, **changes})
+
+
+def _submit(farm, stub, request: builds.BundleRequest) -> dict:
+    with farm.session() as session:
+        return builds.submit(session, farm.store, farm.settings, stub, request, "alice")
+
+
+def test_a_second_submit_of_the_same_folder_queues_nothing_new(served_farm, stub, folder) -> None:
+    first = _submit(served_farm, stub, _request(folder))
+    second = _submit(served_farm, stub, _request(folder))
+    assert first["bundle_key"] == second["bundle_key"]
+    [part] = second["parts"]
+    assert part["name"] == "pipeline" and part["state"] == "queued"
+    assert part["queue"] == routing.bundle_queue(CPU, TOOLCHAIN)
+    assert part["queue"].endswith(".with-genai")
+    assert len(stub.sent) == 1  # sent once; the second submit found it queued and sent
+    with served_farm.session() as session:
+        assert len(session.scalars(select(BundlePart)).all()) == 1
+        assert session.scalar(select(BundleBuild.submitter)) == "alice"
+
+
+def test_submit_refuses_naming_the_file_or_option(served_farm, stub, folder) -> None:
+    lacking = {p: s for p, s in folder.items() if not p.startswith("openvino_detokenizer")}
+    with pytest.raises(PipelineError, match="openvino_detokenizer"):
+        _submit(served_farm, stub, _request(lacking))
+    with pytest.raises(PipelineError, match="--max-prompt-len applies to NPU targets only"):
+        _submit(served_farm, stub, _request(folder, options={"max_prompt_len": 128}))
+    with pytest.raises(SpecError, match="unknown pipeline option tiles"):
+        _submit(served_farm, stub, _request(folder, options={"tiles": 2}))
+    with pytest.raises(SpecError, match="lacks openvino_tokenizers"):
+        toolchain = {k: v for k, v in TOOLCHAIN.items() if k != "openvino_tokenizers"}
+        _submit(served_farm, stub, _request(folder, toolchain=toolchain))
+    with pytest.raises(SpecError, match=r"not read by the pipeline: notes\.txt"):
+        _submit(served_farm, stub, _request({**folder, "notes.txt": folder["config.json"]}))
+    with pytest.raises(ModelMissing) as missing:
+        _submit(served_farm, stub, _request({**folder, "config.json": "0" * 64}))
+    assert missing.value.missing == ["0" * 64]
+    assert stub.sent == []
+
+
+def _register(farm, name: str, memory: int, queues: list[str]) -> None:
+    with farm.session() as session:
+        routing.register_worker(
+            session,
+            name=name,
+            host="h",
+            pid=1,
+            targets={"CPU": None},
+            toolchains={},
+            converters={"genai": {}},
+            queues=queues,
+            openvino_version="2026.4.1",
+            memory_bytes=memory,
+        )
+
+
+def test_memory_routes_to_a_large_worker_or_refuses_naming_both_figures(served_farm) -> None:
+    settings = served_farm.settings
+    plain = routing.bundle_queue(CPU, TOOLCHAIN)
+    large = routing.bundle_queue(CPU, TOOLCHAIN, large=True)
+    assert routing.worker_bundle_queues({"CPU": TOOLCHAIN}, 8 * GIB, 16 * GIB) == [plain]
+    assert routing.worker_bundle_queues({"CPU": TOOLCHAIN}, 32 * GIB, 16 * GIB) == [plain, large]
+
+    def route(needed: int) -> str:
+        with served_farm.session() as session:
+            return builds.choose_queue(session, settings, CPU, TOOLCHAIN, needed)
+
+    assert route(40 * GIB) == plain  # no live worker yet: it waits, as jobs do
+    _register(served_farm, "small", 8 * GIB, [plain])
+    assert route(4 * GIB) == plain
+    with pytest.raises(PipelineError, match=r"needs about 12\.0 GiB.*\(small\) has 8\.0 GiB"):
+        route(12 * GIB)
+    _register(served_farm, "big", 32 * GIB, [plain, large])
+    assert route(12 * GIB) == large  # not every worker on the plain queue could hold it
+    with pytest.raises(PipelineError, match=r"needs about 40\.0 GiB.*\(big\) has 32\.0 GiB"):
+        route(40 * GIB)
+
+
+def _part(farm) -> BundlePart:
+    with farm.session() as session:
+        return session.scalars(select(BundlePart)).one()
+
+
+def test_a_part_is_claimed_once_and_a_dead_workers_part_is_taken_back(
+    served_farm, stub, folder
+) -> None:
+    _submit(served_farm, stub, _request(folder))
+    part_id = _part(served_farm).id
+    with served_farm.session() as session:
+        assert served._claim(session, part_id, "w1", 60)
+        assert not served._claim(session, part_id, "w2", 60)  # live lease: single flight
+        session.execute(update(BundlePart).values(lease_expires_at=now() - timedelta(seconds=1)))
+        session.commit()
+        report = reconcile_parts(session, served_farm.settings, stub)
+    assert report.taken_back == [part_id] and report.resent == [part_id]
+    assert stub.sent[-1] == (-part_id, routing.bundle_queue(CPU, TOOLCHAIN))
+    assert _part(served_farm).state == "queued"
+
+    # Each claim counts (the first one above too): at FARM_MAX_ATTEMPTS (3) the part fails,
+    # and its bundle with it.
+    with served_farm.session() as session:
+        for _ in range(served_farm.settings.max_attempts - 1):
+            assert served._claim(session, part_id, "w1", 60)
+            session.execute(
+                update(BundlePart).values(lease_expires_at=now() - timedelta(seconds=1))
+            )
+            session.commit()
+        report = reconcile_parts(session, served_farm.settings, stub)
+        assert report.failed == [part_id]
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed"
+        assert (
+            build.error.startswith("part pipeline ") and "gave up after 3 attempts" in build.error
+        )
+    # A submit of a failed bundle queues it again.
+    again = _submit(served_farm, stub, _request(folder))
+    assert again["state"] == "queued" and again["parts"][0]["attempts"] == 0
+
+
+def test_the_last_part_publishes_the_signed_manifest_once(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    built = _submit(served_farm, stub, _request(folder))
+    key = built["bundle_key"]
+    entry = tmp_path / "entry.blob"
+    entry.write_bytes(b"compiled")
+    sha = sha256_file(entry)
+    served_farm.store.put_file(file_storage_key(sha), entry)
+    signer = Signer(Ed25519PrivateKey.generate())
+    part_id = _part(served_farm).id
+    with served_farm.session() as session:
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == []  # queued
+        session.execute(
+            update(BundlePart).values(
+                state="done",
+                output_files={"cache/1.blob": {"sha256": sha, "size": 8}},
+                metrics={"reference": {"tokens": [1, 2]}},
+            )
+        )
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+    signed = published(served_farm.store, key)
+    assert signed is not None
+    manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
+    assert {f.path for f in manifest.files} == {*folder, "cache/1.blob"}
+    assert manifest.reference == {"tokens": [1, 2]}
+    # The folder's files were copied beside the compiled one: an edge fetches all from there.
+    assert all(served_farm.store.exists(file_storage_key(s)) for s in folder.values())
+    with served_farm.session() as session:
+        assert session.scalars(select(BundleBuild)).one().state == "done"
+    # A submit now answers the bundle as it is and sends nothing.
+    sent = len(stub.sent)
+    assert _submit(served_farm, stub, _request(folder))["state"] == "done"
+    assert len(stub.sent) == sent
+    with served_farm.store.open_read(manifest_storage_key(key)) as stream:
+        assert json.load(stream) == signed
+
+
+def test_a_farm_without_a_broker_refuses_before_recording_anything(served_farm, folder) -> None:
+    from farm.core.errors import NotInstalled
+    from farm.server.jobs.dispatch import InlineDispatcher
+
+    with pytest.raises(NotInstalled, match="this farm has no broker"):
+        _submit(served_farm, InlineDispatcher(lambda job_id: None), _request(folder))
+    with served_farm.session() as session:
+        assert session.scalar(select(BundleBuild)) is None
