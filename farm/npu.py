@@ -20,11 +20,14 @@ bytes it checked:
    throwaway child process (loading a library runs its code; never in this process);
 4. the copies are renamed into place, then a one-op model is compiled for every NPU platform in
    a fresh process, with `NPU_PLATFORM` set (which makes the plugin compile without a device).
-If no platform compiles, every file is put back as it was: nothing is left half-installed.
+If no platform compiles, every file is put back as it was: nothing is left half-installed. Two
+installs into one folder take turns (an exclusive lock on the folder), so neither probes or puts
+back the other's files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -32,7 +35,8 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +176,28 @@ def install(
     restored, when no platform compiles with it."""
     libs_dir = _checked_destination(libs_dir or openvino_libs())
     libraries = find_libraries(Path(source))
+    with _alone_in(libs_dir):
+        return _install(source, libs_dir, libraries, sha256, trust_unlisted)
+
+
+@contextmanager
+def _alone_in(folder: Path) -> Iterator[None]:
+    """Held while this process installs into `folder`: a second install there waits."""
+    handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def _install(
+    source: Path,
+    libs_dir: Path,
+    libraries: dict[str, Path],
+    sha256: Iterable[str],
+    trust_unlisted: bool,
+) -> InstallReport:
     given = {digest.strip().lower() for digest in sha256}
     staged: dict[str, Path] = {}
     try:

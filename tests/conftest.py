@@ -16,6 +16,24 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 
 
+@pytest.fixture
+def openvino_libs_alone() -> Iterator[Path]:
+    """This OpenVINO's libs folder, for a test that installs into it or reads what is there:
+    such tests take turns, whichever pytest process runs them (a lock file beside the checkout's
+    temporary files, never in the folder itself, whose listing the tests compare)."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    from farm.toolchain import openvino_libs
+
+    libs = openvino_libs()
+    name = hashlib.sha256(str(libs.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"farm-tests-openvino-libs-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield libs
+
+
 @pytest.fixture(autouse=True)
 def private_client_cache(tmp_path, monkeypatch) -> None:
     """Digest and edge blob caches of this test's own (never the user's ~/.cache/farm)."""

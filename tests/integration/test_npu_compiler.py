@@ -15,11 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from farm import npu, toolchain
+from farm import npu
 from farm.core.errors import CompilerUnavailable
 from farm.core.hashing import sha256_file
 from farm.npu import COMPILER, NotACompiler, UntrustedCompiler, install, vcl_version
 from farm.toolchain import NPU_COMPILER_LIBRARY
+
+# Some of these tests put a library into OpenVINO's own folder (in the checkout's .venv) and
+# take it out again, and others list that folder: one process runs them all, with the other
+# tests that write under the checkout.
+pytestmark = pytest.mark.xdist_group("checkout")
 
 NOT_A_COMPILER = "int farm_test_answer(void) { return 42; }\n"
 VCL_THAT_CANNOT_COMPILE = """
@@ -63,12 +68,14 @@ def _farm(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_file_that_is_not_a_library_is_refused_before_anything_is_copied(tmp_path):
+def test_a_file_that_is_not_a_library_is_refused_before_anything_is_copied(
+    tmp_path, openvino_libs_alone
+):
     folder = tmp_path / "junk"
     folder.mkdir()
     (folder / NPU_COMPILER_LIBRARY).write_text("not a library")
     (folder / COMPILER).write_text("not a library")
-    libs = toolchain.openvino_libs()
+    libs = openvino_libs_alone
     before = _listing(libs)
     done = _farm("toolchain", "install-npu-compiler", str(folder), "--trust-unlisted")
     assert done.returncode == 2, done.stderr
@@ -76,11 +83,11 @@ def test_a_file_that_is_not_a_library_is_refused_before_anything_is_copied(tmp_p
     assert _listing(libs) == before
 
 
-def test_a_library_without_the_vcl_api_is_not_a_compiler(tmp_path):
+def test_a_library_without_the_vcl_api_is_not_a_compiler(tmp_path, openvino_libs_alone):
     folder = _library(tmp_path / "plain", NOT_A_COMPILER)
     with pytest.raises(NotACompiler, match="not an NPU compiler: it does not export vclGetVersion"):
         vcl_version(folder / COMPILER)
-    libs = toolchain.openvino_libs()
+    libs = openvino_libs_alone
     before = _listing(libs)
     done = _farm("toolchain", "install-npu-compiler", str(folder), "--json", "--trust-unlisted")
     assert done.returncode == 2 and "does not export" in done.stderr
@@ -94,12 +101,12 @@ def test_a_folder_missing_the_loader_names_what_to_bring(tmp_path):
         install(folder)
 
 
-def test_a_compiler_that_compiles_for_no_platform_is_taken_back_out(tmp_path):
+def test_a_compiler_that_compiles_for_no_platform_is_taken_back_out(tmp_path, openvino_libs_alone):
     """Installed where this OpenVINO loads it, probed for real (a compile per NPU platform in a
     fresh process), refused, and every file put back as it was."""
     folder = _library(tmp_path / "vcl", VCL_THAT_CANNOT_COMPILE)
     assert vcl_version(folder / COMPILER) == "7.4"
-    libs = toolchain.openvino_libs()
+    libs = openvino_libs_alone
     before = _listing(libs)
     try:
         with pytest.raises(CompilerUnavailable) as refused:
