@@ -387,7 +387,7 @@ class JobPhase(Base):
         Index("ix_job_phases_job_id_attempt", "job_id", "attempt"),
         {
             "comment": "Where a job's time went: one row per phase of an attempt (fetch, "
-            "convert, compress, compile, reference, upload, record), timed by the worker. "
+            "its stages, drift, compile, reference, upload, record), timed by the worker. "
             "Inserted when the attempt ends; never updated or deleted."
         },
     )
@@ -397,7 +397,9 @@ class JobPhase(Base):
     attempt: Mapped[int] = mapped_column(Integer, comment="Its attempt (jobs.attempts then).")
     phase: Mapped[str] = mapped_column(
         String(16),
-        comment="'fetch', 'convert', 'compress', 'compile', 'reference', 'upload' or 'record'.",
+        comment="'fetch'; the stages its recipe ran, named after them ('convert', 'compress', "
+        "'convert+compress', ...; 'convert+compile' when one child converted and compiled); "
+        "'drift', 'compile', 'reference', 'upload' or 'record'.",
     )
     started_at: Mapped[datetime] = mapped_column(comment="When the phase began, UTC.")
     seconds: Mapped[float] = mapped_column(Float, comment="How long it took, s.")
