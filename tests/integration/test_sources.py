@@ -246,9 +246,9 @@ def test_a_converting_job_compiles_in_its_converting_child_the_blob_a_reused_sta
     built, tmp_path
 ):
     """A job that runs its one convert stage compiles in that same child (docs §15): one
-    `convert+compile` phase, no compile child; the stage recorded as always. Its blob is the
-    one the usual way makes from the stored IR (the compile child of a job that reuses the
-    stage): the same bytes for the same spec."""
+    `convert+compile` phase, no compile child; the stage recorded as always. Its blob,
+    compiled from the model in memory while the IR was saved, computes what the usual way
+    makes from the stored IR (the compile child of a job that reuses the stage) computes."""
     first = embedded(tmp_path, "submit", str(built["pt2"]), "-d", "CPU")
     assert first.returncode == 0, first.stderr
     job_id = json.loads(first.stdout)["job"]["id"]

@@ -46,9 +46,16 @@ class CompileResult:
 
 
 def compile_to_file(
-    files: Mapping[str, Path], spec: CompileSpec, out_dir: Path, blob_id: str
+    files: Mapping[str, Path],
+    spec: CompileSpec,
+    out_dir: Path,
+    blob_id: str,
+    model: ov.Model | None = None,
+    compiling: threading.Event | None = None,
 ) -> CompileResult:
-    """Compile the model for `spec` and let OpenVINO write ``out_dir/<blob_id>.blob``.
+    """Compile the model for `spec` and let OpenVINO write ``out_dir/<blob_id>.blob``: the
+    model in `files`, or `model` when given (one in memory, which the compile may reshape: a
+    clone the caller no longer uses). `compiling` is set as OpenVINO's compile starts.
 
     `out_dir` must not already hold that file: OpenVINO would load it instead of compiling.
     """
@@ -56,7 +63,8 @@ def compile_to_file(
     if blob_path.exists():
         raise FileExistsError(f"{blob_path} exists; compile into an empty folder")
     core = ov.Core()
-    model = read_model(core, files)
+    if model is None:
+        model = read_model(core, files)
     apply_shapes(model, spec)
     check_input_sizes(model)
     if spec.target.is_npu:
@@ -69,6 +77,8 @@ def compile_to_file(
     started = time.perf_counter()
     try:
         with watcher:
+            if compiling is not None:
+                compiling.set()
             compiled = core.compile_model(model, device_name(spec.target), run_props)
     except Exception as error:
         raise classify_failure(spec.target, error) from error

@@ -287,10 +287,12 @@ def _compile_and_store(
             if prepared.compiled is not None:  # one child converted and compiled (§15)
                 _, at, seconds = clock.timed[-1]
                 clock.timed[-1] = (ONE_CHILD_PHASE, at, seconds)
-            files, model_row = prepared.files, prepared.model
+            if prepared.storing is None:
+                files, model_row = prepared.files, prepared.model
             _check_drift(sessions, job)
-        with _work_disk(work_dir):
-            _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
+        if prepared is None or prepared.storing is None:  # else: compiled already
+            with _work_disk(work_dir):
+                _ensure_room(work_dir, 0 if spec.weightless else model_row.size_bytes)
     except ModelFileCorrupt as error:
         corrupt = str(error)
         return (lambda session: _finish(session, job, JobState.FAILED, error=corrupt)), none
@@ -305,14 +307,16 @@ def _compile_and_store(
         message, output = str(error), getattr(error, "output", "")
         log_text = f"failed: {message}" + (f"\n--- stage output ---\n{output}" if output else "")
         return _failed(job, message, log_text), none
-    max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
     try:
         if prepared is not None and prepared.compiled is not None:
             if isinstance(prepared.compiled, Exception):
                 raise _with_child_output(prepared.compiled, prepared.output)
             result, output = prepared.compiled, prepared.output
-            max_blob_bytes = max(max_blob_bytes, _blob_limit_of(source_row.size_bytes, limits))
+            max_blob_bytes = _blob_limit_of(source_row.size_bytes, limits)
+            if prepared.storing is None:
+                max_blob_bytes = max(max_blob_bytes, _blob_limit_of(model_row.size_bytes, limits))
         else:
+            max_blob_bytes = _blob_limit_of(model_row.size_bytes, limits)
             release_free_memory()  # before the compile child's peak, not after it
             with clock.phase("compile"), _work_disk(work_dir):  # files staged, the blob moved
                 result, output = compile_in_child(
@@ -332,20 +336,40 @@ def _compile_and_store(
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
+        _settle_quietly(prepared)
         return _cancelled(job), none
     except (CompileTimeout, errors.CompileError, errors.CompilerUnavailable) as error:
+        _settle_quietly(prepared)
         message = str(error)  # `error` itself is unbound when the except block ends
         log_text = _failure_log(spec, message, error.output)
         return _failed(job, message, log_text), none
     with clock.phase("upload"):
         # The blob file is ours to give: a local store moves it in (one read, to hash it).
         stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
+        if prepared is not None and prepared.storing is not None:
+            # Beside the blob: the stage's output IR stored and the stage recorded.
+            try:
+                prepared = prepared.settled()
+            except BaseException as error:
+                store.delete(blob_storage_key(job.cache_key))  # no row will name it
+                if not isinstance(error, errors.CompileError):  # the stage's: the job fails
+                    raise
+                return _failed(job, str(error), f"failed: {error}"), none
+            files, model_row = prepared.files, prepared.model
     release_free_memory()
     plan = _reference_plan(model_row, limits, Prepared(dict(files), inputs))
     record = lambda session: _record_blob(  # noqa: E731
         session, store, job, source_row, result, stored, output, signer, plan
     )
     return record, plan
+
+
+def _settle_quietly(prepared) -> None:
+    """Wait for a stage output being stored (its work folder goes with the job's); a failure
+    to store it is the stage's, recorded there, not this job's outcome."""
+    if prepared is not None and prepared.storing is not None:
+        with contextlib.suppress(Exception):
+            prepared.settled()
 
 
 def _cancelled(job: Job):

@@ -1025,25 +1025,36 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> NoRetu
 
 
 def _compile_after_stage(spec: CompileSpec, request: dict):
-    """What the stage's child does once its stage wrote the IR: compile that IR for `spec`
-    as the compile op does (`compiler.compile_to_file`: read back from the files just
-    written, so the blob is the very one a job reusing the stage makes; the converted model in
-    memory makes a different one), hashing the IR files meanwhile for the store;
-    ``{"compiled": ..., "output_sha256": ...}``."""
+    """What the stage's child does once its stage has its output: compile it for `spec` as the
+    compile op does (`compiler.compile_to_file`), from a clone of the model in memory while
+    `child.run` saves and hashes the IR (the saved IR is that model, written losslessly: no
+    FP16 compression), or, for a kind that wrote its IR itself, read back from those files,
+    hashing them meanwhile for the store; ``{"compiled": ..., "output_sha256": ...}`` (the
+    digests: `child.run`'s for a model in memory)."""
 
-    def after(outcome, stage_request) -> dict:
+    def after(outcome, stage_request, compiling: threading.Event | None) -> dict:
         from farm.core.hashing import sha256_file
         from farm.server.jobs import compiler
 
         paths = {role: stage_request.out_dir / Path(rel).name for role, rel in STAGE_OUTPUT.items()}
+        box = Path(request["out_dir"])
+        blob_id = request["compile"]["blob_id"]
+        if outcome.model is not None:
+            in_memory = outcome.model.clone()  # the compile may reshape it; the save reads it
+            compiled = _compile(
+                lambda: compiler.compile_to_file(
+                    paths, spec, box, blob_id, model=in_memory, compiling=compiling
+                ),
+                request.get("memory_bytes"),
+            )
+            compiled.setdefault("blob_id", blob_id)
+            return {"compiled": compiled}
         digests: dict[str, str] = {}
         hashing = threading.Thread(
             target=lambda: digests.update({r: sha256_file(p) for r, p in paths.items()}),
             name="hash-ir",
         )
         hashing.start()
-        box = Path(request["out_dir"])
-        blob_id = request["compile"]["blob_id"]
         compiled = _compile(
             lambda: compiler.compile_to_file(paths, spec, box, blob_id),
             request.get("memory_bytes"),

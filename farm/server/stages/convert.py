@@ -155,7 +155,6 @@ def _warm_up_torch(fmt: str) -> None:
 
 
 def run(request: StageRequest) -> StageOutcome:
-    import openvino as ov
 
     fmt = request.args["format"]
     source = sources.Source(fmt, request.files, request.input_dir)
@@ -170,8 +169,7 @@ def run(request: StageRequest) -> StageOutcome:
         model = _torch(source, request.args)
     else:
         model = _native(source)
-    ov.save_model(model, request.out_dir / "model.xml", compress_to_fp16=False)
-    return StageOutcome(dict(_VERSIONS))
+    return StageOutcome(dict(_VERSIONS), model=model)  # saved by the child (child.run)
 
 
 _NAME = ""

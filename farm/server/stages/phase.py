@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,8 @@ class Prepared:
     """The model the compile reads: its files here, its models row; what the phase did."""
 
     files: dict[str, Path]
-    model: Model
+    model: Model | None
+    """None while `storing`."""
     ran: list[str]
     """Stage keys this job ran (the others were reused or waited for)."""
     compiled: Any = None
@@ -73,6 +74,44 @@ class Prepared:
     `CompileResult` of that same child, or the compile's error (to raise as a compile's)."""
     output: str = ""
     """That child's output (the compiler's, for the job log)."""
+    storing: StoringOutput | None = None
+    """When that child compiled: its output IR being stored and the stage recorded, in a
+    thread, while the job stores the blob (`settled` waits for it)."""
+
+    def settled(self) -> Prepared:
+        """This, with the stage's output stored and the stage recorded: `files` are the
+        stored IR's, `model` its row. Raises what storing it raised."""
+        if self.storing is None:
+            return self
+        model, files = self.storing.result()
+        return replace(self, files=files, model=model, storing=None)
+
+
+class StoringOutput(threading.Thread):
+    """`_store_outputs` of a stage whose child also compiled, run beside the job's blob
+    upload: both are a hash and a flush of hundreds of MB, one core each."""
+
+    def __init__(
+        self, run: StageRun, store_outputs: Callable[[], tuple[Model, dict[str, Path]]]
+    ) -> None:
+        super().__init__(name="store-stage-output", daemon=True)
+        self.run_result, self.store_outputs = run, store_outputs
+        self.stored: tuple[Model, dict[str, Path]] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.stored = self.store_outputs()
+        except BaseException as error:  # raised again in the job's thread, by `result`
+            self.error = error
+
+    def result(self) -> tuple[Model, dict[str, Path]]:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        assert self.stored is not None
+        return self.stored
 
 
 def run_recipe(
@@ -97,10 +136,14 @@ def run_recipe(
     compiled: StageRun | None = None
     for index, (stage, key) in enumerate(zip(recipe, keys, strict=True)):
         folder = work_dir / f"stage-{index}"
-        current, local, compiled = _one_stage(
+        ran_here = _one_stage(
             sessions, store, job, stage, key, current, current_key, folder, fetch, should_stop,
             limits, one_child,
         )  # fmt: skip
+        if isinstance(ran_here, StoringOutput):  # one child converted and compiled (§15)
+            run = ran_here.run_result
+            return Prepared({}, None, [key], run.compiled, run.output, storing=ran_here)
+        current, local, compiled = ran_here
         if local is not None:
             ran.append(key)
         current_key = key
@@ -124,9 +167,10 @@ def _one_stage(
     should_stop: Callable[[], bool],
     limits: StageLimits,
     compile_spec: tuple[CompileSpec, str] | None = None,
-) -> tuple[Model, dict[str, Path] | None, StageRun | None]:
+) -> tuple[Model, dict[str, Path] | None, StageRun | None] | StoringOutput:
     """The stage's output model row, its files here when this job ran it (else None), and
-    the child's run when it ran here."""
+    the child's run when it ran here; or, when its child compiled too, its output being
+    stored (`StoringOutput`)."""
     waited_on: int | None = None
     while True:
         if should_stop():
@@ -171,7 +215,7 @@ def _run_here(
     should_stop: Callable[[], bool],
     limits: StageLimits,
     compile_spec: tuple[CompileSpec, str] | None = None,
-) -> tuple[Model, dict[str, Path], StageRun]:
+) -> tuple[Model, dict[str, Path], StageRun] | StoringOutput:
     started = time.perf_counter()
     try:
         files = fetch(input_row, folder / "input")
@@ -204,6 +248,39 @@ def _run_here(
         with sessions() as session:
             catalog.fail(session, key, job.id, str(error) or type(error).__name__)
         raise
+
+    def store_outputs() -> tuple[Model, dict[str, Path]]:
+        try:
+            return _store_outputs(sessions, store, job, stage, key, input_row, result, files,
+                                  names, folder, should_stop, limits, started)  # fmt: skip
+        except BaseException as error:
+            with sessions() as session:
+                catalog.fail(session, key, job.id, str(error) or type(error).__name__)
+            raise
+
+    if result.compiled is not None and not isinstance(result.compiled, Exception):
+        return StoringOutput(result, store_outputs)
+    output, outputs = store_outputs()
+    return output, outputs, result
+
+
+def _store_outputs(
+    sessions: sessionmaker[Session],
+    store: BlobStore,
+    job: Job,
+    stage: Stage,
+    key: str,
+    input_row: Model,
+    result: StageRun,
+    files: dict[str, Path],
+    names: dict[str, str],
+    folder: Path,
+    should_stop: Callable[[], bool],
+    limits: StageLimits,
+    started: float,
+) -> tuple[Model, dict[str, Path]]:
+    """Store a stage's output IR (checking the child's digests), register it as a models row,
+    measure a compression's drift, and record the stage done: its row and files here."""
     outputs = {"xml": result.xml, "bin": result.bin}
     # Hashed by the child while it compiled: the store checks the digest as it takes a file
     # in (one read); a file it holds already is read here, never taken on the child's word.
@@ -251,7 +328,7 @@ def _run_here(
         if not recorded:
             log.warning("stage %s was taken over while job %s ran it", key, job.id)
     log.info("job %s ran stage %s (%s) in %.1f s", job.id, stage.kind, key[:12], seconds)
-    return output, outputs, result
+    return output, outputs
 
 
 def _drift(
@@ -327,7 +404,3 @@ def _renewing(
     finally:
         stop.set()
         thread.join()
-
-
-def stage_summary(prepared: Prepared) -> dict[str, Any]:
-    return {"stages_run": len(prepared.ran), "model_id": prepared.model.id}
