@@ -15,8 +15,11 @@ device, `farm agent sync --verify`).
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from .common import (
     RUNS,
@@ -33,6 +36,8 @@ from .common import (
 
 NAME = "verify"
 MODEL_MB = scaled(256, 8)
+REFERENCE_TIMEOUT = 600.0
+"""How long the run waits, untimed, for the blob's reference outputs."""
 
 
 def main() -> dict:
@@ -45,10 +50,8 @@ def main() -> dict:
         key = submitted["cache_key"]
         _farm(env, "pull", key)  # into the edge cache: both sides start from the cached blob
         blob = root / "cache" / "blobs" / f"{key}.blob"
-        digest = submitted["blob"]["reference_sha256"] if "blob" in submitted else None
-        reference = next(
-            (root / "farm" / "store" / "references" / key).glob(f"{digest or '*'}.npz")
-        )
+        digest = _settled_reference(root / "farm" / "farm.db", key)
+        reference = root / "farm" / "store" / "references" / key / f"{digest}.npz"
         runs: dict[str, list[dict]] = {"baseline": [], "verify_1": [], "verify_10": []}
         for number in range(RUNS):
             log(f"run {number + 1}/{RUNS}")
@@ -89,6 +92,22 @@ def main() -> dict:
         ],
         "targets": [],
     }
+
+
+def _settled_reference(database: Path, key: str) -> str:
+    """The blob's reference digest once its reference run (detached, after the blob is
+    recorded: docs §14) has stored it."""
+    deadline = time.monotonic() + REFERENCE_TIMEOUT
+    with sqlite3.connect(database) as db:
+        while True:
+            state, digest = db.execute(
+                "SELECT reference_state, reference_sha256 FROM blobs WHERE cache_key = ?", (key,)
+            ).fetchone()
+            if state != "pending" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert state == "ready", f"the reference run ended {state}"
+    return str(digest)
 
 
 def _farm(env: dict[str, str], *args: str) -> dict:
