@@ -1027,10 +1027,9 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> NoRetu
 def _compile_after_stage(spec: CompileSpec, request: dict):
     """What the stage's child does once its stage has its output: compile it for `spec` as the
     compile op does (`compiler.compile_to_file`), from a clone of the model in memory while
-    `child.run` saves and hashes the IR (the saved IR is that model, written losslessly: no
-    FP16 compression), or, for a kind that wrote its IR itself, read back from those files,
-    hashing them meanwhile for the store; ``{"compiled": ..., "output_sha256": ...}`` (the
-    digests: `child.run`'s for a model in memory)."""
+    `child.run` saves the IR (that model, written losslessly: no FP16 compression), or, for a
+    kind that wrote its IR itself, read back from those files, hashing them meanwhile for the
+    store; ``{"compiled": ...}``, with ``"output_sha256"`` in the second case."""
 
     def after(outcome, stage_request, compiling: threading.Event | None) -> dict:
         from farm.core.hashing import sha256_file

@@ -58,7 +58,7 @@ class StageOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     model: Any = None
     """The output model in memory, for a kind that leaves writing its IR to `run` (convert):
-    `run` saves and hashes it, beside the `after` step, which may read it (docs §15)."""
+    `run` saves it, beside the `after` step, which may read it (docs §15)."""
 
 
 OUTPUT_IR = {"xml": "model.xml", "bin": "model.bin"}
@@ -121,16 +121,17 @@ def run(
     if outcome.model is None:
         outcome.metrics.setdefault("seconds", round(time.perf_counter() - started, 3))
         return payload if after is None else {**payload, **after(outcome, request, None)}
-    # The IR is saved and hashed while `after` (the compile) runs from the model in memory: on
-    # a 512 MB program, saving took 0.4-1.2 s that the compile used to wait for.
+    # The IR is saved while `after` (the compile) runs from the model in memory: on a 512 MB
+    # program, saving took 0.4-1.2 s that the compile used to wait for. Not hashed here: the
+    # parent hashes it as it stores it, beside the blob's upload, not beside the compile.
     beside = _Beside(after, outcome, request) if after is not None else None
     try:
-        digests = _save_and_hash(outcome.model, request.out_dir)
+        _save(outcome.model, request.out_dir)
     except MemoryError:
         return _out_of_memory(memory_bytes)
     outcome.metrics.setdefault("seconds", round(time.perf_counter() - started, 3))
     done = beside.result() if beside is not None else {}
-    return {**payload, **done, "output_sha256": digests}
+    return {**payload, **done}
 
 
 def _out_of_memory(memory_bytes: int | None) -> dict:
@@ -140,15 +141,11 @@ def _out_of_memory(memory_bytes: int | None) -> dict:
     return {"error": errors.ConversionError.code, "message": message}
 
 
-def _save_and_hash(model: Any, out_dir: Path) -> dict[str, str]:
-    """Save `model` as the stage's output IR in `out_dir` (losslessly: no FP16 compression);
-    the sha256 of each of its files, by role."""
+def _save(model: Any, out_dir: Path) -> None:
+    """Save `model` as the stage's output IR in `out_dir` (losslessly: no FP16 compression)."""
     import openvino as ov
 
-    from farm.core.hashing import sha256_file
-
     ov.save_model(model, out_dir / OUTPUT_IR["xml"], compress_to_fp16=False)
-    return {role: sha256_file(out_dir / name) for role, name in OUTPUT_IR.items()}
 
 
 class _Beside(threading.Thread):

@@ -282,8 +282,9 @@ def _store_outputs(
     """Store a stage's output IR (checking the child's digests), register it as a models row,
     measure a compression's drift, and record the stage done: its row and files here."""
     outputs = {"xml": result.xml, "bin": result.bin}
-    # Hashed by the child while it compiled: the store checks the digest as it takes a file
-    # in (one read); a file it holds already is read here, never taken on the child's word.
+    # Hashed by a child that compiled the files it wrote: the store checks the digest as it
+    # takes a file in (one read); a file it holds already is read here, never taken on the
+    # child's word. Else hashed here (a model saved beside its compile: the child did not).
     identity = result.sha256 or {role: sha256_file(path) for role, path in outputs.items()}
     size = sum(path.stat().st_size for path in outputs.values())
     for role, path in outputs.items():
