@@ -1,9 +1,11 @@
-"""A whole-table aggregate cached per API process (farm.server.api.cached): computed once, started
-at the process's start (`warm`), waited for rather than computed twice."""
+"""A whole-table aggregate cached per API process (farm.server.api.cached): computed once,
+waited for rather than computed twice."""
 
 from __future__ import annotations
 
 import threading
+
+import pytest
 
 from farm.server.api.cached import Cached
 
@@ -31,24 +33,25 @@ def test_a_value_is_computed_once_within_its_period():
     assert compute.runs == 1
 
 
-def test_warming_computes_in_the_background_and_a_request_waits_for_it():
+def test_a_request_during_the_first_computation_waits_for_it():
     gate = threading.Event()
     compute = Counting(gate)
     cached = Cached(compute, 3600)
-    cached.warm()
-    assert compute.started.wait(10)
-    cached.warm()  # under way: not a second computation
     answers: list[int] = []
-    request = threading.Thread(target=lambda: answers.append(cached.get()))
-    request.start()
-    request.join(0.2)
-    assert request.is_alive()  # waits for the warm-up rather than computing again
+    first = threading.Thread(target=lambda: answers.append(cached.get()))
+    first.start()
+    assert compute.started.wait(10)
+    second = threading.Thread(target=lambda: answers.append(cached.get()))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waits for the first computation rather than computing again
     gate.set()
-    request.join(10)
-    assert answers == [1] and compute.runs == 1
+    first.join(10)
+    second.join(10)
+    assert answers == [1, 1] and compute.runs == 1
 
 
-def test_a_failed_warm_up_leaves_the_first_request_to_compute():
+def test_a_failed_first_computation_leaves_the_next_request_to_compute():
     outcomes = iter([RuntimeError("database down"), 7])
 
     def compute() -> int:
@@ -58,15 +61,14 @@ def test_a_failed_warm_up_leaves_the_first_request_to_compute():
         return outcome
 
     cached = Cached(compute, 3600)
-    cached.warm()
+    with pytest.raises(RuntimeError, match="database down"):
+        cached.get()
     assert cached.get() == 7
 
 
-def test_no_period_computes_on_every_request_and_never_warms():
+def test_no_period_computes_on_every_request():
     compute = Counting()
     cached = Cached(compute, 0)
-    cached.warm()
-    assert compute.runs == 0
     assert [cached.get(), cached.get()] == [1, 2]
 
 

@@ -9,9 +9,8 @@ once, and one that finds it older than the period starts a refresh in a backgrou
 (stale-while-revalidate): no request waits for an aggregate after the first, and each process
 runs at most one at a time. The numbers are then up to a period (plus one computation) old.
 
-An API process starts the first computation as it starts (`warm`), so the first scrape or
-dashboard after a restart finds the value ready instead of paying for it (seconds at a million
-rows); a request that comes sooner waits for that computation rather than starting another.
+A request that finds the first computation under way waits for it rather than starting
+another, so concurrent first requests after a restart cost one computation.
 """
 
 from __future__ import annotations
@@ -36,16 +35,6 @@ class Cached(Generic[T]):
         self._value: T | None = None
         self._computed_at = 0.0
         self._refreshing = False
-
-    def warm(self) -> None:
-        """Start computing the value in the background, if it has none and none is under way."""
-        if self.period_seconds <= 0:
-            return
-        with self._lock:
-            if self._value is not None or self._refreshing:
-                return
-            self._refreshing = True
-        threading.Thread(target=self._refresh_quietly, daemon=True).start()
 
     def get(self) -> T:
         """The value: computed now if there is none yet (or waited for, when a computation is

@@ -237,7 +237,7 @@ def _summary(request: Request) -> dict[str, Any]:
 
 
 def summary(app: Any, farm: FarmContext) -> Cached[dict[str, Any]]:
-    """This process's dashboard cards, made on first use (or at start: `Cached.warm`)."""
+    """This process's dashboard cards, made on first use."""
     if getattr(app.state, "dashboard_summary", None) is None:
 
         def count() -> dict[str, Any]:

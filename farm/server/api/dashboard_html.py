@@ -160,6 +160,8 @@ def _verification_state(blob: Any) -> str:
     """What the fleet knows of the blob's numbers: quarantined, or whether it can be verified."""
     if blob.quarantined_at is not None:
         return f"QUARANTINED: {blob.quarantine_reason}"
+    if blob.reference_state == "pending":  # computed after the blob (docs §14)
+        return "reference pending"
     return "reference outputs" if blob.reference_sha256 else "no reference"
 
 

@@ -213,7 +213,7 @@ def metrics(request: Request, _: Caller = any_role) -> Response:
 
 
 def metrics_text(app: Any, farm: FarmContext) -> Cached[bytes]:
-    """This process's `/metrics` text, made on first use (or at start: `Cached.warm`)."""
+    """This process's `/metrics` text, made on first use."""
     if getattr(app.state, "metrics_text", None) is None:
         registry = registry_for(farm.sessions, farm.settings.worker_heartbeat_seconds)
         app.state.metrics_text = Cached(
