@@ -308,3 +308,34 @@ def test_a_converting_job_compiles_in_its_converting_child_the_blob_a_reused_sta
         assert np.array_equal(outputs[0], outputs[1])
     finally:
         farm.sessions.kw["bind"].dispose()
+
+
+def test_a_weightless_converting_job_compiles_the_ir_read_back(built, tmp_path):
+    """A weightless blob leaves weights out by their offsets in the IR's `.bin`, which a model in
+    memory does not have: the converting child saves the IR first and compiles the files (docs
+    §15). Its blob is smaller than the full one by about the weights; compiled from memory it
+    held them all."""
+    weightless = embedded(tmp_path, "submit", str(built["pt2"]), "-d", "CPU", "--weightless")
+    assert weightless.returncode == 0, weightless.stderr
+    full = embedded(tmp_path, "submit", str(built["pt2"]), "-d", "CPU")  # reuses the stage
+    assert full.returncode == 0, full.stderr
+    ids = [json.loads(done.stdout)["job"]["id"] for done in (weightless, full)]
+
+    from farm.core.config import Settings
+    from farm.server.context import FarmContext
+    from farm.server.db.models import Blob, JobPhase
+
+    farm = FarmContext.open(Settings(home=tmp_path / "farm-home"))
+    try:
+        with farm.session() as session:
+            first_phases = session.scalars(select(JobPhase.phase).where(JobPhase.job_id == ids[0]))
+            assert "convert+compile" in list(first_phases)  # the one child made it
+            sizes = [
+                session.scalars(select(Blob.size_bytes).where(Blob.job_id == job)).one()
+                for job in ids
+            ]
+            weights = session.scalars(select(StageOutput)).one().output_files["bin"]
+    finally:
+        farm.sessions.kw["bind"].dispose()
+    bin_bytes = (tmp_path / "farm-home" / "store" / "models" / weights).stat().st_size
+    assert sizes[0] < sizes[1] - bin_bytes // 2, (sizes, bin_bytes)

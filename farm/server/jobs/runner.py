@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 
 ONE_CHILD_PHASE = "convert+compile"
 """The phase of a job whose one convert stage ran here: one child converted and compiled
-(docs §15); the phase is its whole span, storing the IR and recording the stage included."""
+(docs §15); the phase is the child's whole span (the IR is stored, and the stage recorded,
+beside the blob's upload)."""
 CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -261,7 +262,25 @@ def _compile_and_store(
     job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions, clock
 ):
     """Returns a function that records the outcome in a session (so recording is one place),
-    and what the record says of the blob's reference (`ReferencePlan`).
+    and what the record says of the blob's reference (`ReferencePlan`). However it ends, a
+    stage output still being stored (`Prepared.storing`) is waited for first: the job's work
+    folder, which holds its files, goes when the job ends."""
+    stages: list = []
+    try:
+        return _compile_and_store_steps(
+            job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions,
+            clock, stages,
+        )  # fmt: skip
+    finally:
+        for prepared in stages:
+            _settle_quietly(prepared)
+
+
+def _compile_and_store_steps(
+    job, source_row, store, work_dir, lease, limits, signer, model_cache, sessions, clock,
+    stages,
+):  # fmt: skip
+    """`_compile_and_store`'s steps; `stages` gets the stage phase's `Prepared`.
 
     `source_row` is what was submitted; with a recipe (docs §15) the stage phase makes (or
     reuses) the model compiled, `model_row`. `clock` times each phase (`phases.PhaseClock`).
@@ -284,6 +303,7 @@ def _compile_and_store(
                 prepared = _run_stages(
                     sessions, store, job, source_row, work_dir, lease, limits, model_cache, spec
                 )
+                stages.append(prepared)
             if prepared.compiled is not None:  # one child converted and compiled (§15)
                 _, at, seconds = clock.timed[-1]
                 clock.timed[-1] = (ONE_CHILD_PHASE, at, seconds)
@@ -336,10 +356,8 @@ def _compile_and_store(
         if lease.should_stop():  # cancelled while the compile was finishing: store nothing
             raise CompileCancelled("compile cancelled")
     except CompileCancelled:
-        _settle_quietly(prepared)
         return _cancelled(job), none
     except (CompileTimeout, errors.CompileError, errors.CompilerUnavailable) as error:
-        _settle_quietly(prepared)
         message = str(error)  # `error` itself is unbound when the except block ends
         log_text = _failure_log(spec, message, error.output)
         return _failed(job, message, log_text), none
@@ -351,7 +369,7 @@ def _compile_and_store(
             try:
                 prepared = prepared.settled()
             except BaseException as error:
-                store.delete(blob_storage_key(job.cache_key))  # no row will name it
+                _forget_blob(sessions, store, job)
                 if not isinstance(error, errors.CompileError):  # the stage's: the job fails
                     raise
                 return _failed(job, str(error), f"failed: {error}"), none
@@ -362,6 +380,14 @@ def _compile_and_store(
         session, store, job, source_row, result, stored, output, signer, plan
     )
     return record, plan
+
+
+def _forget_blob(sessions, store: BlobStore, job: Job) -> None:
+    """Delete the blob this attempt stored, unless a row names it (an attempt whose lease was
+    taken back may have recorded it after all)."""
+    with sessions() as session:
+        if session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key)) is None:
+            store.delete(blob_storage_key(job.cache_key))
 
 
 def _settle_quietly(prepared) -> None:

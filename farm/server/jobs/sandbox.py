@@ -1005,11 +1005,14 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> NoRetu
     payload: dict
     if isinstance(runner, dict):  # the kind's frameworks are missing here
         _stage_exit(result, runner)
-    after = None
+    after, from_memory = None, True
     if request.get("compile"):  # convert and compile in this one child (docs §15)
         spec = CompileSpec.from_canonical(request["compile"]["target"], request["compile"]["spec"])
         _load_openvino(spec.target, {"xml"})  # the plugin, before the switch of user
         after = _compile_after_stage(spec, request)
+        # A weightless blob leaves weights out by their offsets in the IR's files: only a
+        # compile of the files read back makes one (one from memory holds every weight).
+        from_memory = not spec.weightless
     try:
         if request.get("run_as"):
             uid, gid = request["run_as"]
@@ -1020,7 +1023,9 @@ def _stage_child(request: dict, result: io.TextIOWrapper, parent: int) -> NoRetu
             "message": f"cannot switch to the compile user: {error}",
         }
     else:
-        payload = child.run(runner, request, request.get("memory_bytes"), after)
+        payload = child.run(
+            runner, request, request.get("memory_bytes"), after, after_in_memory=from_memory
+        )
     _stage_exit(result, payload)
 
 
@@ -1039,10 +1044,14 @@ def _compile_after_stage(spec: CompileSpec, request: dict):
         box = Path(request["out_dir"])
         blob_id = request["compile"]["blob_id"]
         if outcome.model is not None:
-            in_memory = outcome.model.clone()  # the compile may reshape it; the save reads it
             compiled = _compile(
                 lambda: compiler.compile_to_file(
-                    paths, spec, box, blob_id, model=in_memory, compiling=compiling
+                    paths,
+                    spec,
+                    box,
+                    blob_id,
+                    model=outcome.model.clone(),  # the compile may reshape it; the save reads it
+                    compiling=compiling,
                 ),
                 request.get("memory_bytes"),
             )

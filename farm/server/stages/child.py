@@ -90,13 +90,17 @@ def run(
     raw: dict,
     memory_bytes: int | None,
     after: After | None = None,
+    *,
+    after_in_memory: bool = True,
 ) -> dict:
     """Run the stage; the payload the parent reads (an error code and message, or versions
     and metrics). The message names the file and the converter's reason; the traceback goes
     to the log. `after`: what the child does next with a stage that succeeded (the sandbox's
     compile, docs §15), its fields added to the payload; its time is not the stage's. For a
     kind that returns its model in memory, `after` runs in a thread while the IR is saved, and
-    sets the event it is given when its compile is in OpenVINO."""
+    sets the event it is given when its compile is in OpenVINO; unless `after_in_memory` is
+    false (it needs the IR's files: a weightless compile), then the IR is saved first and
+    `after` is given no model."""
     box = Path(raw["out_dir"])
     request = StageRequest(
         kind=raw["kind"],
@@ -111,6 +115,10 @@ def run(
     reset_peak_rss()
     try:
         outcome: StageOutcome = module.run(request)
+        converted = time.perf_counter()
+        if outcome.model is not None and (after is None or not after_in_memory):
+            _save(outcome.model, request.out_dir)
+            outcome.model = None
     except errors.FarmError as error:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         return {"error": error.code, "message": str(error)}
@@ -124,13 +132,22 @@ def run(
     # The IR is saved while `after` (the compile) runs from the model in memory: on a 512 MB
     # program, saving took 0.4-1.2 s that the compile used to wait for. Not hashed here: the
     # parent hashes it as it stores it, beside the blob's upload, not beside the compile.
-    beside = _Beside(after, outcome, request) if after is not None else None
+    # The stage's peak RSS is the conversion's (taken above), not the compile's beside it.
+    assert after is not None  # else saved above
+    beside = _Beside(after, outcome, request)
+    saving = time.perf_counter()
     try:
         _save(outcome.model, request.out_dir)
-    except MemoryError:
-        return _out_of_memory(memory_bytes)
-    outcome.metrics.setdefault("seconds", round(time.perf_counter() - started, 3))
-    done = beside.result() if beside is not None else {}
+    except MemoryError:  # the compile beside it may have taken the memory: once more, alone
+        done = beside.result()
+        try:
+            _save(outcome.model, request.out_dir)
+        except MemoryError:
+            return _out_of_memory(memory_bytes)
+    else:
+        done = beside.result()
+    saved = time.perf_counter() - saving
+    outcome.metrics.setdefault("seconds", round(converted - started + saved, 3))
     return {**payload, **done}
 
 

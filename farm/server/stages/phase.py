@@ -281,27 +281,8 @@ def _store_outputs(
 ) -> tuple[Model, dict[str, Path]]:
     """Store a stage's output IR (checking the child's digests), register it as a models row,
     measure a compression's drift, and record the stage done: its row and files here."""
-    outputs = {"xml": result.xml, "bin": result.bin}
-    # Hashed by a child that compiled the files it wrote: the store checks the digest as it
-    # takes a file in (one read); a file it holds already is read here, never taken on the
-    # child's word. Else hashed here (a model saved beside its compile: the child did not).
-    identity = result.sha256 or {role: sha256_file(path) for role, path in outputs.items()}
-    size = sum(path.stat().st_size for path in outputs.values())
-    for role, path in outputs.items():
-        store_key = model_storage_key(identity[role])
-        if store.exists(store_key):
-            if result.sha256 and sha256_file(path) != identity[role]:
-                raise ConversionError(f"{stage.kind}: its output {role} is not what it reported")
-            continue
-        stored = store.adopt_file(store_key, path)  # a local store moves it: no copy
-        if stored.sha256 != identity[role]:
-            store.delete(store_key)  # ours, just made: not what its key says
-            raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
-        if not path.exists():  # moved into a local store: the compile reads it there
-            assert isinstance(store, LocalPaths)
-            local = store.local_path(store_key)
-            assert local is not None
-            outputs[role] = local
+    with _renewing(sessions, key, job.id, limits.lease_seconds):  # hundreds of MB, maybe
+        outputs, identity, size = _store_files(store, stage, result)
     seconds = time.perf_counter() - started
     # The service registers rows; imported here: it imports the runner's neighbours.
     from farm.server.jobs.service import register_model
@@ -330,6 +311,34 @@ def _store_outputs(
             log.warning("stage %s was taken over while job %s ran it", key, job.id)
     log.info("job %s ran stage %s (%s) in %.1f s", job.id, stage.kind, key[:12], seconds)
     return output, outputs
+
+
+def _store_files(
+    store: BlobStore, stage: Stage, result: StageRun
+) -> tuple[dict[str, Path], dict[str, str], int]:
+    """Store the child's output IR: its files (here, or in a local store), digests, size."""
+    outputs = {"xml": result.xml, "bin": result.bin}
+    # Hashed by a child that compiled the files it wrote: the store checks the digest as it
+    # takes a file in (one read); a file it holds already is read here, never taken on the
+    # child's word. Else hashed here (a model saved beside its compile: the child did not).
+    identity = result.sha256 or {role: sha256_file(path) for role, path in outputs.items()}
+    size = sum(path.stat().st_size for path in outputs.values())
+    for role, path in outputs.items():
+        store_key = model_storage_key(identity[role])
+        if store.exists(store_key):
+            if result.sha256 and sha256_file(path) != identity[role]:
+                raise ConversionError(f"{stage.kind}: its output {role} is not what it reported")
+            continue
+        stored = store.adopt_file(store_key, path)  # a local store moves it: no copy
+        if stored.sha256 != identity[role]:
+            store.delete(store_key)  # ours, just made: not what its key says
+            raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
+        if not path.exists():  # moved into a local store: the compile reads it there
+            assert isinstance(store, LocalPaths)
+            local = store.local_path(store_key)
+            assert local is not None
+            outputs[role] = local
+    return outputs, identity, size
 
 
 def _drift(
