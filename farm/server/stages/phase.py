@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core import compression, sources
-from farm.core.errors import CompileCancelled, ConversionError
+from farm.core.errors import CompileCancelled, CompileError, ConversionError
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec
@@ -250,10 +250,13 @@ def _run_here(
         raise
 
     def store_outputs() -> tuple[Model, dict[str, Path]]:
+        # An output that is not what the child said fails the stage (and the jobs waiting on
+        # it); anything else (storage, database) leaves the stage to its lease: the job is
+        # retried, and a job waiting on the stage takes it over once the lease has run out.
         try:
             return _store_outputs(sessions, store, job, stage, key, input_row, result, files,
                                   names, folder, should_stop, limits, started)  # fmt: skip
-        except BaseException as error:
+        except CompileError as error:
             with sessions() as session:
                 catalog.fail(session, key, job.id, str(error) or type(error).__name__)
             raise
