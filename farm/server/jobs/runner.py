@@ -370,8 +370,9 @@ def _compile_and_store_steps(
                 prepared = prepared.settled()
             except BaseException as error:
                 _forget_blob(sessions, store, job)
-                if not isinstance(error, errors.CompileError):  # the stage's: the job fails
+                if not isinstance(error, errors.CompileError):  # storage, database: retried
                     raise
+                # An output that is not what the child said: the stage failed, and the job.
                 return _failed(job, str(error), f"failed: {error}"), none
             files, model_row = prepared.files, prepared.model
     release_free_memory()
