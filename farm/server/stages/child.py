@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -134,7 +135,7 @@ def run(
     # parent hashes it as it stores it, beside the blob's upload, not beside the compile.
     # The stage's peak RSS is the conversion's (taken above), not the compile's beside it.
     assert after is not None  # else saved above
-    beside = _Beside(after, outcome, request)
+    beside = _beside(after, outcome, request)
     saving = time.perf_counter()
     try:
         _save(outcome.model, request.out_dir)
@@ -165,30 +166,15 @@ def _save(model: Any, out_dir: Path) -> None:
     ov.save_model(model, out_dir / OUTPUT_IR["xml"], compress_to_fp16=False)
 
 
-class _Beside(threading.Thread):
+def _beside(after: After, outcome: StageOutcome, request: StageRequest) -> Future[dict]:
     """`after` run in a thread, returned once it has entered OpenVINO's compile (or ended).
     OpenVINO's `save_model` holds the GIL for all of its work, and `compile_model` lets it go:
     a save started first would hold the compile back until it ended (measured: 1.8 s of a 512
     MB program's), a save started once the compile is in OpenVINO runs beside it."""
-
-    def __init__(self, after: After, outcome: StageOutcome, request: StageRequest) -> None:
-        super().__init__(name="after-stage", daemon=True)
-        self.after, self.outcome, self.request = after, outcome, request
-        self.compiling = threading.Event()
-        self.done: dict = {}
-        self.error: BaseException | None = None
-        self.start()
-        while not self.compiling.wait(0.01) and self.is_alive():
-            pass
-
-    def run(self) -> None:
-        try:
-            self.done = self.after(self.outcome, self.request, self.compiling)
-        except BaseException as error:  # raised again in the child's main thread
-            self.error = error
-
-    def result(self) -> dict:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.done
+    compiling = threading.Event()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="after-stage")
+    done = pool.submit(after, outcome, request, compiling)
+    pool.shutdown(wait=False)  # its one thread ends with `after`
+    while not compiling.wait(0.01) and not done.done():
+        pass
+    return done

@@ -16,10 +16,9 @@ metrics before the stage is done: a stage row is reusable only with its drift re
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from farm.core.stages import Stage, recipe_from_json, stage_keys
 from farm.server.db.models import Job, Model
 from farm.server.jobs import phases
 from farm.server.jobs.sandbox import StageRun, drift_in_child, stage_in_child
+from farm.server.leases import Renewing
 from farm.server.stages import catalog
 from farm.server.stages import drift as drift_step
 from farm.server.storage import BlobStore, LocalPaths, model_storage_key
@@ -47,6 +47,8 @@ OUTPUT_XML_NAME = {"xml": "model.xml", "bin": "model.bin"}
 """The names of a compression stage's output IR files where its drift child reads them."""
 Fetch = Callable[[Model, Path], dict[str, Path]]
 """Fetches a model row's files into a folder (laid out by `sources.layout`)."""
+Storing = Future[tuple[Model, dict[str, Path]]]
+"""A stage's output being stored beside the job's blob upload: its models row and files."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,10 @@ class Prepared:
     `CompileResult` of that same child, or the compile's error (to raise as a compile's)."""
     output: str = ""
     """That child's output (the compiler's, for the job log)."""
-    storing: StoringOutput | None = None
+    storing: Storing | None = None
     """When that child compiled: its output IR being stored and the stage recorded, in a
-    thread, while the job stores the blob (`settled` waits for it)."""
+    thread, while the job stores the blob (`settled` waits for it): both are a hash and a flush
+    of hundreds of MB, one core each."""
 
     def settled(self) -> Prepared:
         """This, with the stage's output stored and the stage recorded: `files` are the
@@ -85,33 +88,6 @@ class Prepared:
             return self
         model, files = self.storing.result()
         return replace(self, files=files, model=model, storing=None)
-
-
-class StoringOutput(threading.Thread):
-    """`_store_outputs` of a stage whose child also compiled, run beside the job's blob
-    upload: both are a hash and a flush of hundreds of MB, one core each."""
-
-    def __init__(
-        self, run: StageRun, store_outputs: Callable[[], tuple[Model, dict[str, Path]]]
-    ) -> None:
-        super().__init__(name="store-stage-output", daemon=True)
-        self.run_result, self.store_outputs = run, store_outputs
-        self.stored: tuple[Model, dict[str, Path]] | None = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.stored = self.store_outputs()
-        except BaseException as error:  # raised again in the job's thread, by `result`
-            self.error = error
-
-    def result(self) -> tuple[Model, dict[str, Path]]:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        assert self.stored is not None
-        return self.stored
 
 
 def run_recipe(
@@ -140,9 +116,9 @@ def run_recipe(
             sessions, store, job, stage, key, current, current_key, folder, fetch, should_stop,
             limits, one_child,
         )  # fmt: skip
-        if isinstance(ran_here, StoringOutput):  # one child converted and compiled (§15)
-            run = ran_here.run_result
-            return Prepared({}, None, [key], run.compiled, run.output, storing=ran_here)
+        if isinstance(ran_here[0], Future):  # one child converted and compiled (§15)
+            storing, run = ran_here
+            return Prepared({}, None, [key], run.compiled, run.output, storing=storing)
         current, local, compiled = ran_here
         if local is not None:
             ran.append(key)
@@ -167,10 +143,10 @@ def _one_stage(
     should_stop: Callable[[], bool],
     limits: StageLimits,
     compile_spec: tuple[CompileSpec, str] | None = None,
-) -> tuple[Model, dict[str, Path] | None, StageRun | None] | StoringOutput:
+) -> tuple[Model, dict[str, Path] | None, StageRun | None] | tuple[Storing, StageRun]:
     """The stage's output model row, its files here when this job ran it (else None), and
     the child's run when it ran here; or, when its child compiled too, its output being
-    stored (`StoringOutput`)."""
+    stored (a `Future` of the row and files) and the child's run."""
     waited_on: int | None = None
     while True:
         if should_stop():
@@ -215,7 +191,7 @@ def _run_here(
     should_stop: Callable[[], bool],
     limits: StageLimits,
     compile_spec: tuple[CompileSpec, str] | None = None,
-) -> tuple[Model, dict[str, Path], StageRun] | StoringOutput:
+) -> tuple[Model, dict[str, Path], StageRun] | tuple[Storing, StageRun]:
     started = time.perf_counter()
     try:
         files = fetch(input_row, folder / "input")
@@ -262,7 +238,10 @@ def _run_here(
             raise
 
     if result.compiled is not None and not isinstance(result.compiled, Exception):
-        return StoringOutput(result, store_outputs)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="store-stage-output")
+        storing = pool.submit(store_outputs)
+        pool.shutdown(wait=False)  # its one thread ends with the storing
+        return storing, result
     output, outputs = store_outputs()
     return output, outputs, result
 
@@ -395,25 +374,13 @@ def _drift(
     return metrics
 
 
-@contextmanager
 def _renewing(
     sessions: sessionmaker[Session], key: str, job_id: int, lease_seconds: int
-) -> Iterator[None]:
+) -> Renewing:
     """Renew the stage's lease while it runs (every third of the lease)."""
-    stop = threading.Event()
 
-    def renew() -> None:
-        while not stop.wait(lease_seconds / 3):
-            try:
-                with sessions() as session:
-                    catalog.renew(session, key, job_id, lease_seconds)
-            except Exception:
-                log.warning("renewing stage %s failed", key, exc_info=True)
+    def renew() -> bool:
+        with sessions() as session:
+            return catalog.renew(session, key, job_id, lease_seconds)
 
-    thread = threading.Thread(target=renew, name=f"stage-{key[:8]}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return Renewing(renew, lease_seconds / 3, f"stage {key[:12]}")
