@@ -64,15 +64,22 @@ def dispatcher() -> Dispatcher:
     return _dispatcher[1]
 
 
+RETRIED = {
+    "bind": True,
+    "acks_late": True,
+    "autoretry_for": INFRASTRUCTURE_ERRORS,
+    "retry_backoff": 5,
+    "retry_backoff_max": 300,
+    "retry_jitter": True,
+    "max_retries": 10,
+}
+"""The tasks that run a job, a reference or a bundle part: acknowledged when done, and sent
+again with backoff on an infrastructure error (the broker redelivers a lost worker's)."""
+
+
 @shared_task(
     name=COMPILE_TASK,
-    bind=True,
-    acks_late=True,
-    autoretry_for=INFRASTRUCTURE_ERRORS,
-    retry_backoff=5,
-    retry_backoff_max=300,
-    retry_jitter=True,
-    max_retries=10,
+    **RETRIED,
 )
 def compile_job(self, job_id: int) -> None:
     job = context().run(job_id)
@@ -81,14 +88,8 @@ def compile_job(self, job_id: int) -> None:
 
 @shared_task(
     name=REFERENCE_TASK,
-    bind=True,
-    acks_late=True,
     ignore_result=True,
-    autoretry_for=INFRASTRUCTURE_ERRORS,
-    retry_backoff=5,
-    retry_backoff_max=300,
-    retry_jitter=True,
-    max_retries=10,
+    **RETRIED,
 )
 def reference_blob(self, blob_id: int, attempt: int | None = None) -> None:
     """A blob's reference run that the reconciler sent again (docs §14); the run after a
@@ -122,14 +123,8 @@ def reconcile_jobs() -> None:
 
 @shared_task(
     name=BUNDLE_PART_TASK,
-    bind=True,
-    acks_late=True,
     ignore_result=True,
-    autoretry_for=INFRASTRUCTURE_ERRORS,
-    retry_backoff=5,
-    retry_backoff_max=300,
-    retry_jitter=True,
-    max_retries=10,
+    **RETRIED,
 )
 def bundle_part(self, part_id: int) -> None:
     """Compile one part of a pipeline bundle (§17) and publish the bundles it completes."""
