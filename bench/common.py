@@ -174,6 +174,13 @@ def scratch(name: str) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def settle_disk() -> None:
+    """Write back every dirty page before a timed transfer: each then starts from the same
+    disk state, not behind the writeback of the file the one before it wrote (on this
+    machine a 512 MB download took 0.37 s to 1.24 s without it, whichever side it was)."""
+    os.sync()
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

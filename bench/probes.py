@@ -53,10 +53,12 @@ class Measured:
         self.start_rss = _status()["VmRSS"]
         self._thread.start()
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.started
+        self.cpu_seconds = time.process_time() - self.cpu_started
         self._stop.set()
         self._thread.join()
         self.peak_rss = _status()["VmHWM"]
@@ -64,6 +66,7 @@ class Measured:
     def as_dict(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
             "start_rss_bytes": self.start_rss,
             "peak_rss_bytes": self.peak_rss,
             "peak_anon_bytes": self.peak_anon,
