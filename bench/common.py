@@ -175,9 +175,10 @@ def scratch(name: str) -> Iterator[Path]:
 
 
 def settle_disk() -> None:
-    """Write back every dirty page before a timed transfer: each then starts from the same
-    disk state, not behind the writeback of the file the one before it wrote (on this
-    machine a 512 MB download took 0.37 s to 1.24 s without it, whichever side it was)."""
+    """Write back every dirty page before a timed transfer, so that no transfer starts behind
+    the writeback of the file the one before it wrote. This removes one known source of spread
+    between the two sides. It does not make a transfer steady: raw GETs of one object still
+    ranged from 331 to 1325 MB/s in one run (bench/README.md, edge)."""
     os.sync()
 
 
