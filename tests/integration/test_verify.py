@@ -543,3 +543,23 @@ def test_a_pending_reference_is_not_judged_and_a_lost_run_is_run_again_or_skippe
     assert state == "skipped" and "3 runs ended without a result" in note
     refused = run_farm(edge_env, "verify", key)
     assert refused.returncode == 3 and "no reference outputs" in refused.stderr
+
+
+def test_embedded_verify_sends_a_lost_reference_run_again_itself(lab, tmp_path):
+    """The embedded farm has no reconciler running: `farm verify --wait` on it, finding the
+    reference pending, sends a run whose detached process died again; a live one it leaves."""
+    home, farm_env, _, _ = lab
+    key = submit(farm_env, models.save_ir(models.conv_net(seed=16), tmp_path / "e" / "e.xml"))
+    ((blob_id,),) = sql(home, "SELECT id FROM blobs WHERE cache_key = ?", key)
+
+    _make_pending(home, key, 1, "2999-01-01 00:00:00.000000")  # a live run holds it
+    waited = run_farm(farm_env, "verify", key, "--wait", "1", "--json")
+    assert waited.returncode == 4 and "not judged yet" in waited.stderr, waited.stderr
+    assert sql(home, "SELECT reference_attempts FROM blobs WHERE id = ?", blob_id) == [(1,)]
+
+    _make_pending(home, key, 1, "2000-01-01 00:00:00.000000")  # its process died
+    verified = ok_json(farm_env, "verify", key, "--wait", "60")
+    assert verified["passed"] is True
+    assert sql(
+        home, "SELECT reference_state, reference_attempts FROM blobs WHERE id = ?", blob_id
+    ) == [("ready", 2)]

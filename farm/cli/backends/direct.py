@@ -12,11 +12,12 @@ import getpass
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
+from farm.core.clock import now
 from farm.core.errors import KeyFileError, NotFound
 from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.server import pagination
@@ -243,7 +244,27 @@ class Direct:
         if found is None:
             return None
         row, shown = found
+        if self._reference_run_lost(row):
+            from farm.server.jobs import reconcile as reconciler
+
+            with self._session() as session:
+                reconciler.resend_lost_references(session, self.farm.settings)
         return {**shown, "status": _signed_status(row, self.farm.status_signer)}
+
+    def _reference_run_lost(self, row: Any) -> bool:
+        """The embedded farm runs no reconciler: a command that resolves a blob whose pending
+        reference run is lost (its detached process died: the lease expired; or it never
+        claimed the row) sends it again, as `farm reconcile` would. `farm verify --wait` asks
+        again and again, so it does not wait for a run that will not come. The rule is
+        `reference_run.pending_runs`'s, read here from the row: a read that finds nothing lost
+        costs nothing more."""
+        if row.reference_state != "pending" or self.farm.settings.served:
+            return False
+        at = now()
+        if row.reference_lease_expires_at is not None:
+            return bool(row.reference_lease_expires_at < at)
+        resend_after = timedelta(seconds=self.farm.settings.resend_after_seconds)
+        return bool(row.created_at < at - resend_after)
 
     def cache_keys(self, prefix: str) -> list[str]:
         return self.reads.cache_keys(prefix, CANDIDATES_SHOWN + 1)

@@ -107,6 +107,7 @@ blobs = Table(
     Column("reference_signature", Text),
     Column("reference_note", Text),
     Column("reference_state", String(16)),
+    Column("reference_lease_expires_at", UTCDateTime),
     Column("quarantined_at", UTCDateTime),
     Column("quarantine_reason", Text),
 )

@@ -166,6 +166,14 @@ def reconcile(
     return report
 
 
+def resend_lost_references(session: Session, settings: Settings) -> ReconcileReport:
+    """Only the reconciler's reference step, for the embedded farm (its lost runs go to
+    detached processes on this host); what it resent or skipped."""
+    report = ReconcileReport()
+    _lost_references(session, settings, reference_sender(None), report)
+    return report
+
+
 def _lost_references(
     session: Session, settings: Settings, send: SendReference, report: ReconcileReport
 ) -> None:

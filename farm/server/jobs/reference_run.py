@@ -15,7 +15,9 @@ Where it runs:
 - the embedded farm hands it to a detached process (`detach`: ``python -m
   farm.server.jobs.reference_run BLOB_ID``), so `farm submit` returns when the blob is stored;
 - the reconciler finds a run whose process died (its lease expired, or it was never claimed)
-  and sends it again (`farm.reference`, or a detached process for the embedded farm); each
+  and sends it again (`farm.reference`, or a detached process for the embedded farm, where a
+  command that resolves a blob whose run is lost also does it:
+  `reconcile.resend_lost_references`); each
   send is an attempt, the send carries its number, and past the job's `max_attempts` it
   records the reference skipped.
 
