@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from farm.core.errors import FarmError
+from farm.runtime_import import skip_conversion_api
 
 COMMANDS: dict[str, tuple[str, ...]] = {
     "agent": ("edge",),
@@ -46,6 +47,10 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 }
 """Each command and the modules of `farm.cli` that define it (and its subcommands)."""
 
+SERVING = frozenset({"worker", "api"})
+"""Commands that serve until stopped: they load OpenVINO whole (their start is not what a user
+waits for, and they host other libraries)."""
+
 whole_process = False
 """Whether this run of the group is the `farm` process (arguments from its command line), not
 a call from a program (click's CliRunner): only then may a command end the process itself
@@ -72,6 +77,8 @@ class FarmGroup(click.Group):
         common.json_errors = "--json" in own
         global whole_process
         whole_process = args is None  # the `farm` process itself, not a caller's CliRunner
+        if whole_process and not set(own) & SERVING:
+            skip_conversion_api()  # the command converts nothing in this process
         common.notes.clear()
         return super().main(argv, *rest, **options)
 

@@ -71,6 +71,7 @@ from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
 from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
+from farm.runtime_import import skip_conversion_api
 from farm.server.jobs.compile_user import (
     ChildUser,
     as_compile_user,
@@ -947,11 +948,13 @@ def _child_main(request_fd: str, result_fd: str) -> int:
         return _stage_child(request, result, parent)
     if request.get("task") == "pipeline":
         return _pipeline_child(request, result, parent)
+    reference = request.get("task") == "reference"
+    if not converts(request):
+        skip_conversion_api()  # `farm.runtime_import`
     from farm.server.jobs import compiler
 
     spec = CompileSpec.from_canonical(request["target"], request["spec"])
     files = {role: Path(path) for role, path in request["files"].items()}
-    reference = request.get("task") == "reference"
     _load_openvino(CPU if reference else spec.target, set(files))
     if reference:
         _load_reference_code()
@@ -985,6 +988,16 @@ def _child_main(request_fd: str, result_fd: str) -> int:
     result.write(json.dumps(payload))
     result.close()
     _exit_now()
+
+
+def converts(request: Mapping[str, Any]) -> bool:
+    """Whether a child of `request` may convert a model (`ov.convert_model`): a stage, a
+    pipeline's export, the reference of a source from its framework; not a compile, nor the
+    reference of the model as it is."""
+    task = request.get("task")
+    return task in ("stage", "pipeline") or bool(
+        task == "reference" and request.get("source_format")
+    )
 
 
 def _exit_now() -> NoReturn:
