@@ -4,10 +4,13 @@ processes, the ratio, and where each job's time goes.
 Each run submits a batch of distinct small models (already uploaded, so only compiles are
 timed) through the API, first with one worker process, then with two; throughput is the
 batch size over the makespan (first job created -> last job finished, from the job rows).
-Every job's time is split from its row and its folder (`bench.observe`): queue wait, model
-fetch, the compile child (interpreter + OpenVINO import + read, compile, export), blob upload
-and record. Baselines in the same run: the same compiles one after another in one warm
-process, and in a fresh process each (what the worker's compile child costs at the least).
+Every job's time is split by what its worker recorded (`job_phases`, never file times): queue
+wait, model fetch, the compile child's whole life (its own compile and export seconds, from the
+job row, split it; the rest is the child's start: interpreter, OpenVINO import, reading the
+model), blob upload, record, and the reference run that follows the record on the same worker
+(the job is `succeeded` before it, but the worker takes its next job after it). Baselines in
+the same run: the same compiles one after another in one warm process, and in a fresh process
+each (what the worker's compile child costs at the least).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import statistics
 import time
 from pathlib import Path
 
+from sqlalchemy import func, select
+
 from farm.client import FarmClient
 from farm.core.identity import ModelRef
 from farm.core.spec import CompileSpec
+from farm.server.db.models import Blob
 
 from .common import (
     RUNS,
@@ -33,8 +39,8 @@ from .common import (
     target,
     write_result,
 )
-from .observe import WorkDirWatcher, timestamp
-from .overhead import body_for, wait_all_final
+from .observe import timestamp
+from .overhead import body_for, recorded_phases, wait_all_final
 from .stack import served_stack
 
 NAME = "scaleout"
@@ -51,7 +57,7 @@ def main() -> dict:
         worker_tmp = root / "worker-tmp"
         worker_tmp.mkdir()
         tmp_env = {"TMPDIR": str(worker_tmp)}
-        with served_stack(root) as stack, WorkDirWatcher(worker_tmp) as watcher:
+        with served_stack(root) as stack:
             client = FarmClient(stack.api.url, stack.tokens["submit"])
             spec = CompileSpec.create("CPU")
             bodies = []
@@ -69,7 +75,7 @@ def main() -> dict:
                         stack.farm.start_worker("w2", env=tmp_env)
                     offset = (run * 2 + workers - 1) * BATCH
                     batch = bodies[offset : offset + BATCH]
-                    batches[workers] = one_batch(stack, client, watcher, batch)
+                    batches[workers] = one_batch(stack, client, batch)
                     log(
                         f"run {run + 1}/{RUNS}, {workers} worker(s): "
                         f"{batches[workers]['jobs_per_hour']:.0f} jobs/h"
@@ -82,7 +88,7 @@ def main() -> dict:
     return summarize(runs)
 
 
-def one_batch(stack, client: FarmClient, watcher: WorkDirWatcher, batch: list[dict]) -> dict:
+def one_batch(stack, client: FarmClient, batch: list[dict]) -> dict:
     job_ids = []
     for body in batch:
         answer = client.submit(**body)["results"][0]
@@ -90,26 +96,26 @@ def one_batch(stack, client: FarmClient, watcher: WorkDirWatcher, batch: list[di
         job_ids.append(answer["job"]["id"])
     jobs = wait_all_final(stack.farm, job_ids)
     assert all(job.state == "succeeded" for job, _ in jobs), [job.error for job, _ in jobs]
-    folders = {job.id: [watcher.finished_folder(job.id)] for job, _ in jobs}
+    settle_references(stack.farm, job_ids)
     first = min(timestamp(job.created_at) for job, _ in jobs)
     last = max(visible for _, visible in jobs)
     makespan = last - first
     per_job = []
     for job, visible in jobs:
-        folder = folders[job.id][-1]
-        finished = timestamp(job.finished_at)
-        child = folder.child_done - folder.fetched
+        recorded = recorded_phases(stack.farm, job)
+        child = job.compile_seconds + job.export_seconds
         per_job.append(
             {
                 "worker": job.worker,
                 "queue_wait": timestamp(job.started_at) - timestamp(job.created_at),
-                "claim_to_fetch": folder.appeared - timestamp(job.started_at),
-                "model_fetch": folder.fetched - folder.appeared,
-                "child_startup_and_read": child - job.compile_seconds - job.export_seconds,
+                "model_fetch": recorded["fetch"],
+                "compile_child": recorded["compile"],
+                "child_startup_and_read": recorded["compile"] - child,
                 "compile": job.compile_seconds,
                 "export": job.export_seconds,
-                "child_exit_to_finished": finished - folder.child_done,
-                "record": visible - finished,
+                "blob_upload": recorded["upload"],
+                "record": recorded["record"],
+                "reference": recorded.get("reference", 0.0),
                 "run": visible - timestamp(job.started_at),
             }
         )
@@ -118,6 +124,24 @@ def one_batch(stack, client: FarmClient, watcher: WorkDirWatcher, batch: list[di
         "jobs_per_hour": len(jobs) / makespan * 3600,
         "jobs": per_job,
     }
+
+
+def settle_references(farm, job_ids: list[int], timeout: float = 300) -> None:
+    """Wait until the jobs' blobs have their reference runs done (recorded by the worker
+    after each job's record, as the tail of its task)."""
+    deadline = time.monotonic() + timeout
+    with farm.engine.connect() as connection:
+        while time.monotonic() < deadline:
+            pending = connection.execute(
+                select(func.count())
+                .select_from(Blob)
+                .where(Blob.job_id.in_(job_ids), Blob.reference_state == "pending")
+            ).scalar_one()
+            connection.rollback()  # a new snapshot for the next read
+            if not pending:
+                return
+            time.sleep(0.05)
+    raise TimeoutError(f"reference runs of jobs {job_ids} did not end")
 
 
 def direct_baselines(root: Path, models: list[Path]) -> dict:
