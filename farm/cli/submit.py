@@ -37,12 +37,13 @@ from farm.cli.common import (
     spec_options,
 )
 from farm.cli.compression import CompressionRequest, compression_options, compression_request
+from farm.cli.hash_ahead import HashAhead
 from farm.cli.pipelines import pipeline_options, submit_folder
 from farm.core import sourceref, sources, stages
 from farm.core.config import get_settings
 from farm.core.digests import digest_cache
 from farm.core.errors import CompilerUnavailable, WaitTimeout
-from farm.core.identity import ModelRef
+from farm.core.identity import Digest, ModelRef
 from farm.core.pipelines import looks_like_pipeline
 from farm.core.spec import CompileSpec, SpecError, Toolchain
 from farm.core.text import printable
@@ -110,14 +111,15 @@ def source_ref(
     task: str | None,
     progress: Any = None,
     compressed: CompressionRequest | None = None,
+    digests: Digest | None = None,
 ) -> tuple[ModelRef, sources.Source]:
-    """The model as submitted or pulled: any source format (`sources.detect`), its digests,
-    and the recipe it needs (`stages.recipe_for`, then the compression asked for): the same
-    key on a submitter and an edge."""
+    """The model as submitted or pulled: any source format (`sources.detect`), its digests
+    (`digests`; default: the digest cache's), and the recipe it needs (`stages.recipe_for`,
+    then the compression asked for): the same key on a submitter and an edge."""
     extra: tuple[stages.Stage, ...] = ()
     if compressed is not None and compressed.kind:
         extra = (stages.Stage.create(compressed.kind, compressed.args),)
-    digests = digest_cache(get_settings().cache_dir).sha256
+    digests = digests or digest_cache(get_settings().cache_dir).sha256
     return sourceref.source_ref(
         model, example_inputs, task, extra, progress=progress, digests=digests
     )
@@ -190,16 +192,31 @@ def submit(
     if options.get("pipeline") or looks_like_pipeline(model):
         submit_folder(model, {**options, "wait": wait, "wait_timeout": wait_timeout}, as_json)
         return
-    # OpenVINO loads only here: the listing commands start without it.
-    from farm import prepare, toolchain
-
     compressed = compression_request(options)
     specs = specs_from_options(options)
     compressed.check_targets([spec.target.name for spec in specs])
     source = sources.detect(model)
-    total = sum(f.stat().st_size for f in source.files.values())
-    with progress_bar(f"hashing {model.name}", total, quiet or as_json) as advance:
-        ref, source = source_ref(model, example_inputs, task, advance, compressed)
+    digests = digest_cache(get_settings().cache_dir)
+    ahead = HashAhead.start(source.files, model.name, quiet or as_json, digests)
+    try:
+        # OpenVINO loads only here (the listing commands start without it), beside the hash.
+        from farm import prepare, toolchain
+
+        _load_what_submit_needs()
+        total = sum(f.stat().st_size for f in source.files.values())
+        hashing = progress_bar(f"hashing {model.name}", total, quiet or as_json)
+        with contextlib.nullcontext(None) if ahead else hashing as advance:
+            ref, source = source_ref(
+                model,
+                example_inputs,
+                task,
+                advance,
+                compressed,
+                ahead.digest if ahead else digests.sha256,
+            )
+    finally:
+        if ahead:
+            ahead.close()
     staged = _prestage(ref)
     try:
         if not source.needs_conversion:  # a source is checked on the worker, once converted
@@ -246,6 +263,19 @@ def submit(
         sys.exit(worst)
     if cli_package.whole_process and getattr(farm, "embedded", False):
         _end_now(farm)
+
+
+def _load_what_submit_needs() -> None:
+    """Import what the submit goes on with (the embedded farm's job service and runner, or the
+    HTTP client), while the model is hashed (`HashAhead`)."""
+    if get_settings().api_url:
+        import farm.cli.backends.http  # noqa: F401
+
+        return
+    with contextlib.suppress(ModuleNotFoundError):  # no farm[embedded]: `backend()` says so
+        from farm.cli.backends.direct import preload_submit
+
+        preload_submit()
 
 
 def _prestage(ref: ModelRef) -> bool:

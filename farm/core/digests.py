@@ -28,24 +28,37 @@ class DigestCache:
 
     def sha256(self, file: Path, progress: Callable[[int], None] | None = None) -> str:
         stat = file.stat()
-        key = str(file.resolve())
-        entry = self.entries.get(key)
-        version = {
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
-            "ctime_ns": stat.st_ctime_ns,
-            "inode": stat.st_ino,
-        }
-        if entry and all(entry.get(field) == value for field, value in version.items()):
+        known = self._known(str(file.resolve()), _version(stat))
+        if known is not None:
             if progress:
                 progress(stat.st_size)
-            return entry["sha256"]
+            return known
         digest = sha256_file(file, progress)
         # A file still being written could change after we read it: its mtime would then
         # differ from the one we record, and the next lookup hashes it again.
-        self.entries[key] = {**version, "sha256": digest}
-        self._save()
+        self._record(file, stat, digest)
         return digest
+
+    def knows(self, file: Path) -> bool:
+        """Whether `file`'s digest is here for the version it has now (no hash needed)."""
+        try:
+            return self._known(str(file.resolve()), _version(file.stat())) is not None
+        except OSError:
+            return False
+
+    def remember(self, file: Path, digest: str) -> None:
+        """Record `digest` for `file` as it is now (its caller hashed this version)."""
+        self._record(file, file.stat(), digest)
+
+    def _known(self, key: str, version: dict[str, int]) -> str | None:
+        entry = self.entries.get(key)
+        if entry and all(entry.get(field) == value for field, value in version.items()):
+            return str(entry["sha256"])
+        return None
+
+    def _record(self, file: Path, stat: os.stat_result, digest: str) -> None:
+        self.entries[str(file.resolve())] = {**_version(stat), "sha256": digest}
+        self._save()
 
     def _save(self) -> None:
         if len(self.entries) > MAX_ENTRIES:
@@ -57,6 +70,15 @@ class DigestCache:
             partial.replace(self.path)
         except OSError:
             pass  # a cache that cannot be written only costs time
+
+
+def _version(stat: os.stat_result) -> dict[str, int]:
+    return {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+        "inode": stat.st_ino,
+    }
 
 
 def digest_cache(cache_dir: Path) -> DigestCache:

@@ -608,6 +608,12 @@ def prestage_model(settings: Settings, ref: ModelRef) -> None:
             store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
 
 
+def preload_submit() -> None:
+    """Import what the embedded `farm submit` runs next (its job service and runner), ahead of
+    the call (`farm.cli.hash_ahead`: beside the model's hash)."""
+    from farm.server.jobs import runner, service  # noqa: F401
+
+
 def discard_prestaged() -> None:
     """Stop and delete the model copies `prestage_model` started that the submit did not take."""
     from farm.server.storage.local import discard_prestaged
