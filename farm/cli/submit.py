@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,9 @@ def submit(
     compressed.check_targets([spec.target.name for spec in specs])
     source = sources.detect(model)
     digests = digest_cache(get_settings().cache_dir)
-    ahead = HashAhead.start(source.files, model.name, quiet or as_json, digests)
+    ahead = None
+    if cli_package.whole_process and threading.active_count() == 1:  # a fork is safe
+        ahead = HashAhead.start(source.files, model.name, quiet or as_json, digests)
     try:
         # OpenVINO loads only here (the listing commands start without it), beside the hash.
         from farm import prepare, toolchain

@@ -46,9 +46,9 @@ class DigestCache:
         except OSError:
             return False
 
-    def remember(self, file: Path, digest: str) -> None:
-        """Record `digest` for `file` as it is now (its caller hashed this version)."""
-        self._record(file, file.stat(), digest)
+    def remember(self, file: Path, stat: os.stat_result, digest: str) -> None:
+        """Record `digest` for `file` at the version `stat` gives (the one its caller hashed)."""
+        self._record(file, stat, digest)
 
     def _known(self, key: str, version: dict[str, int]) -> str | None:
         entry = self.entries.get(key)

@@ -8,6 +8,9 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
+from farm.cli import hash_ahead
 from farm.cli.hash_ahead import HashAhead
 from farm.core.digests import DigestCache
 from farm.core.hashing import sha256_file
@@ -30,6 +33,7 @@ def test_the_childs_digests_are_the_files_and_are_remembered(tmp_path):
     for path in files.values():
         assert ahead.digest(path) == sha256_file(path)
         assert cache.knows(path)
+    assert sorted(ahead._results()) == sorted(map(str, files.values()))  # the child's
     assert DigestCache(tmp_path / "digests.json").knows(files["bin"])  # saved for the next run
     # Every file known as it is: nothing to fork.
     assert HashAhead.start(files, "model", True, cache) is None
@@ -71,3 +75,43 @@ def test_close_stops_a_child_still_hashing(tmp_path):
         pass  # collected by close: no zombie left
     else:
         raise AssertionError("the hashing child was not collected")
+
+
+def test_a_file_written_right_after_its_check_is_not_remembered_under_its_new_version(
+    tmp_path, monkeypatch
+):
+    files = files_in(tmp_path, {"bin": 1 << 20})
+    cache = DigestCache(tmp_path / "digests.json")
+    ahead = HashAhead.start(files, "model", True, cache)
+    assert ahead is not None
+    checked = hash_ahead.version_of
+
+    def checked_then_written(stat):
+        version = checked(stat)
+        files["bin"].write_bytes(os.urandom(1 << 20))  # a writer right after the check
+        monkeypatch.setattr(hash_ahead, "version_of", checked)
+        return version
+
+    monkeypatch.setattr(hash_ahead, "version_of", checked_then_written)
+    ahead.digest(files["bin"])
+    # The digest is of the bytes before the write: never taken for the file as it is now.
+    assert DigestCache(tmp_path / "digests.json").sha256(files["bin"]) == sha256_file(files["bin"])
+
+
+def test_an_interrupted_wait_still_closes_cleanly(tmp_path, monkeypatch):
+    files = files_in(tmp_path, {"bin": 1 << 20})
+    ahead = HashAhead.start(files, "model", True, DigestCache(tmp_path / "digests.json"))
+    assert ahead is not None
+    waitpid = os.waitpid
+
+    def interrupted(*args):
+        monkeypatch.setattr(os, "waitpid", waitpid)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "waitpid", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ahead._results()
+    pid = ahead._pid
+    ahead.close()  # the pipe is closed once, the child collected once
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
