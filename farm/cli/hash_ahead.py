@@ -31,7 +31,7 @@ from pathlib import Path
 from farm.cli.common import progress_bar
 from farm.core.digests import DigestCache
 from farm.core.hashing import sha256_file
-from farm.core.identity import version_of
+from farm.core.identity import file_version, version_of
 
 STOP_SECONDS = 1.0
 """How long a child asked to stop (`close`) has to put its progress bar away before it is
@@ -43,7 +43,7 @@ class HashAhead:
 
     def __init__(
         self, pid: int, pipe: int, stats: Mapping[str, os.stat_result], cache: DigestCache
-    ):
+    ) -> None:
         self._pid: int | None = pid
         self._pipe: int | None = pipe
         self._stats = dict(stats)
@@ -82,7 +82,7 @@ class HashAhead:
         here."""
         found = self._results().get(str(file))
         before = self._stats.get(str(file))
-        if found is None or before is None or version_of(os.stat(file)) != version_of(before):
+        if found is None or before is None or file_version(file) != version_of(before):
             return self._cache.sha256(file, progress)
         self._cache.remember(file, before, found)
         return found
