@@ -8,7 +8,7 @@ import os
 import pytest
 
 from farm.core.identity import file_version
-from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, open_store
+from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, local, open_store
 from farm.server.storage.local import LocalStore, discard_prestaged
 
 
@@ -156,6 +156,51 @@ def test_a_blob_with_a_second_name_is_copied_so_that_name_cannot_change_it(store
     with open(other_name, "r+b") as edit:
         edit.write(b"tampered")
     assert store.local_path("blobs/k.blob").read_bytes() == original
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the file to another user")
+def test_a_blob_of_another_user_is_copied_hashed_and_emptied_as_it_goes(store, source, monkeypatch):
+    monkeypatch.setattr(local, "HASHED_COPY_CHUNK", 64 * 1024)  # ~2 MB: 33 chunks, the last short
+    original = source.read_bytes()
+    os.chown(source, 65534, 65534)  # the compile user's: it could still write it
+    stored = store.adopt_file("blobs/k.blob", source)
+    kept = store.local_path("blobs/k.blob")
+    assert (stored.size, stored.sha256) == (len(original), hashlib.sha256(original).hexdigest())
+    assert kept.read_bytes() == original and kept.stat().st_uid == 0
+    assert kept.stat().st_ino != source.stat().st_ino and oct(kept.stat().st_mode)[-3:] == "600"
+    # Given up: its pages were freed as they were copied, never written.
+    assert source.stat().st_size == len(original)
+    assert source.stat().st_blocks * 512 <= 4096  # at most the last, partial block
+    assert source.read_bytes() == bytes(len(original))
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_a_hashed_copy_is_the_copy_hashed_chunk_by_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "HASHED_COPY_CHUNK", 4096)
+    data = os.urandom(10 * 4096 + 123)
+    (tmp_path / "a").write_bytes(data)
+    with open(tmp_path / "a", "rb") as source, open(tmp_path / "b", "x+b") as sink:
+        digest = local._copy_hashed(source.fileno(), sink.fileno(), len(data), False)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "b").read_bytes() == data and (tmp_path / "a").read_bytes() == data
+
+
+def test_a_file_that_ends_early_is_not_copied_into_the_store(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 1000)
+    with (
+        open(tmp_path / "a", "rb") as source,
+        open(tmp_path / "b", "x+b") as sink,
+        pytest.raises(StorageError, match="ended while"),
+    ):
+        local._copy_hashed(source.fileno(), sink.fileno(), 5000, False)
+
+
+def test_an_empty_blob_is_copied(store, tmp_path):
+    empty = tmp_path / "empty.blob"
+    empty.write_bytes(b"")
+    os.link(empty, tmp_path / "second-name")
+    assert store.adopt_file("blobs/e.blob", empty).sha256 == hashlib.sha256(b"").hexdigest()
+    assert store.local_path("blobs/e.blob").read_bytes() == b""
 
 
 def test_a_link_is_not_adopted(store, source, tmp_path):
