@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -201,27 +202,30 @@ def submit(
     ahead = None
     if cli_package.whole_process and threading.active_count() == 1:  # a fork is safe
         ahead = HashAhead.start(source.files, model.name, quiet or as_json, digests)
+    staged = False
     try:
-        # OpenVINO loads only here (the listing commands start without it), beside the hash.
-        from farm import prepare, toolchain
+        try:
+            if ahead is not None:  # files new here: their copy to the store starts beside the hash
+                staged = _prestage_unhashed(source.files)
+            # OpenVINO loads only here (the listing commands start without it), beside the hash.
+            from farm import prepare, toolchain
 
-        _load_what_submit_needs()
-        total = sum(f.stat().st_size for f in source.files.values())
-        hashing = progress_bar(f"hashing {model.name}", total, quiet or as_json)
-        with contextlib.nullcontext(None) if ahead else hashing as advance:
-            ref, source = source_ref(
-                model,
-                example_inputs,
-                task,
-                advance,
-                compressed,
-                ahead.digest if ahead else digests.sha256,
-            )
-    finally:
-        if ahead:
-            ahead.close()
-    staged = _prestage(ref)
-    try:
+            _load_what_submit_needs()
+            total = sum(f.stat().st_size for f in source.files.values())
+            hashing = progress_bar(f"hashing {model.name}", total, quiet or as_json)
+            with contextlib.nullcontext(None) if ahead else hashing as advance:
+                ref, source = source_ref(
+                    model,
+                    example_inputs,
+                    task,
+                    advance,
+                    compressed,
+                    ahead.digest if ahead else digests.sha256,
+                )
+        finally:
+            if ahead:
+                ahead.close()
+        staged = _prestage(ref) or staged
         if not source.needs_conversion:  # a source is checked on the worker, once converted
             for spec in specs:
                 prepare.check_model(ref.files, spec)
@@ -292,6 +296,21 @@ def _prestage(ref: ModelRef) -> bool:
     except ModuleNotFoundError:  # no farm[embedded]: `backend()` says so, as it did
         return False
     prestage_model(settings, ref)
+    return True
+
+
+def _prestage_unhashed(files: Mapping[str, Path]) -> bool:
+    """The embedded farm: start storing model files while they are hashed, before their keys
+    are known (`backends.direct.prestage_unhashed`; `_prestage` names the copies); whether it
+    did."""
+    settings = get_settings()
+    if settings.api_url or settings.served:
+        return False
+    try:
+        from farm.cli.backends.direct import prestage_unhashed
+    except ModuleNotFoundError:  # no farm[embedded]: `backend()` says so, as it did
+        return False
+    prestage_unhashed(settings, files)
     return True
 
 

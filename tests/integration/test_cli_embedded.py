@@ -70,6 +70,19 @@ def test_submit_pull_run_and_a_second_submit_is_a_hit(farm_home, conv_xml, tmp_p
     second = farm_json(farm_home, "submit", str(conv_xml), "--device", "cpu")
     assert second == {"outcome": "hit", "cache_key": key}
     assert row_count(farm_home, "jobs") == 1  # the hit compiled nothing
+    models_stored = [name for name in stored_files(farm_home) if name.startswith("models/")]
+    assert len(models_stored) == 2  # by digest; and no partial copies anywhere:
+    assert not any(Path(name).name.startswith(".") for name in stored_files(farm_home))
+    # A copy elsewhere is new to the digest cache: hashed, and copied to the store meanwhile,
+    # until its digests show the store has it.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for file in (conv_xml, conv_xml.with_suffix(".bin")):
+        (elsewhere / file.name).write_bytes(file.read_bytes())
+    third = farm_json(farm_home, "submit", str(elsewhere / conv_xml.name), "--device", "CPU")
+    assert third == {"outcome": "hit", "cache_key": key}
+    assert [name for name in stored_files(farm_home) if name.startswith("models/")] == models_stored
+    assert not any(Path(name).name.startswith(".") for name in stored_files(farm_home))
 
     by_key = tmp_path / "by-key.blob"  # the plain export_model() bytes
     pulled = farm_json(farm_home, "pull", key, "-o", str(by_key))

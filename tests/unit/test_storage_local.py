@@ -17,6 +17,12 @@ def store(tmp_path) -> LocalStore:
     return LocalStore(tmp_path / "store")
 
 
+@pytest.fixture(autouse=True)
+def no_copies_left_running():
+    yield
+    discard_prestaged()
+
+
 @pytest.fixture
 def source(tmp_path):
     path = tmp_path / "source.bin"
@@ -117,6 +123,47 @@ def test_a_prestaged_model_copy_is_taken_by_put_version(store, source):
     kept = store.local_path(f"models/{digest}")
     assert kept.read_bytes() == source.read_bytes()
     assert kept.stat().st_ino != source.stat().st_ino
+    assert leftovers(store) == [digest]
+
+
+def test_a_copy_started_while_the_model_was_hashed_is_named_and_taken(store, source):
+    """`farm submit` starts copying a new file before its digest is known."""
+    version = file_version(source)
+    store.prestage_unnamed("models", source, version)
+    digest = digest_of(source)
+    store.prestage(f"models/{digest}", source, version)
+    copy = local._PRESTAGED[str(source)]
+    copy.thread.join()
+    made = copy.temporary.stat().st_ino
+    stored = store.put_version(f"models/{digest}", source, digest, version)
+    assert (stored.size, stored.sha256) == (source.stat().st_size, digest)
+    kept = store.local_path(f"models/{digest}")
+    assert kept.read_bytes() == source.read_bytes()
+    assert kept.stat().st_ino == made  # that copy, renamed: not copied again
+    assert leftovers(store) == [digest]
+
+
+def test_a_copy_started_while_hashing_a_model_stored_already_is_dropped(store, source):
+    digest, version = digest_of(source), file_version(source)
+    store.put_version(f"models/{digest}", source, digest, version)
+    store.prestage_unnamed("models", source, version)
+    store.prestage(f"models/{digest}", source, version)
+    assert leftovers(store) == [digest]
+    discard_prestaged()
+
+
+def test_a_copy_started_while_hashing_that_no_key_named_is_deleted(store, source):
+    store.prestage_unnamed("models", source, file_version(source))
+    discard_prestaged()
+    assert leftovers(store) == []
+
+
+def test_a_copy_started_in_another_folder_than_its_key_is_made_again(store, source):
+    digest, version = digest_of(source), file_version(source)
+    store.prestage_unnamed("elsewhere", source, version)
+    store.prestage(f"models/{digest}", source, version)
+    assert store.put_version(f"models/{digest}", source, digest, version).sha256 == digest
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
     assert leftovers(store) == [digest]
 
 

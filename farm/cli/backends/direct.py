@@ -608,6 +608,21 @@ def prestage_model(settings: Settings, ref: ModelRef) -> None:
             store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
 
 
+def prestage_unhashed(settings: Settings, files: Mapping[str, Path]) -> None:
+    """The embedded farm: start copying model files into its store while they are hashed,
+    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them)."""
+    if settings.api_url or settings.served:
+        return
+    from farm.core.identity import file_version
+    from farm.server.storage import MODELS_FOLDER, open_store
+    from farm.server.storage.local import LocalStore
+
+    store = open_store(settings.resolved_storage_url, settings)
+    if isinstance(store, LocalStore):
+        for path in files.values():
+            store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
+
+
 def preload_submit() -> None:
     """Import what the embedded `farm submit` runs next (its job service and runner), ahead of
     the call (`farm.cli.hash_ahead`: beside the model's hash)."""

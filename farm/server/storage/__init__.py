@@ -22,9 +22,12 @@ if TYPE_CHECKING:
     from farm.core.identity import FileVersion
 
 
+MODELS_FOLDER = "models"
+
+
 def model_storage_key(sha256: str) -> str:
     """Model files are content-addressed: one object per file digest, uploaded once."""
-    return f"models/{sha256}"
+    return f"{MODELS_FOLDER}/{sha256}"
 
 
 def blob_storage_key(cache_key: str) -> str:

@@ -74,21 +74,36 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
 
     def prestage(self, key: str, path: str | Path, version: FileVersion) -> None:
         """Start copying `path` (at `version`) towards `key` on a thread, for the
-        `put_version` that follows; nothing if the object is stored or being copied."""
+        `put_version` that follows, or give that name to the copy `prestage_unnamed` started;
+        nothing if the object is stored (a copy started is then stopped)."""
         target = self._path(key)
-        entry = (target, str(path))
-        if entry in _PRESTAGED or target.is_file():
+        staged = _PRESTAGED.pop(str(path), None)
+        if target.is_file():
+            if staged is not None:
+                staged.discard()
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _PRESTAGED[entry] = _Prestaged(Path(path), target, version)
+        if staged is None or not staged.name(target):
+            if staged is not None:
+                staged.discard()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staged = _Prestaged(Path(path), target.parent, version, target)
+        _PRESTAGED[str(path)] = staged
+
+    def prestage_unnamed(self, folder: str, path: str | Path, version: FileVersion) -> None:
+        """Start copying `path` (at `version`) into `folder` before its key is known: while
+        the file is hashed. `prestage` names the copy."""
+        if str(path) not in _PRESTAGED:
+            directory = self._path(folder)
+            directory.mkdir(parents=True, exist_ok=True)
+            _PRESTAGED[str(path)] = _Prestaged(Path(path), directory, version)
 
     def put_version(
         self, key: str, path: str | Path, sha256: str, version: FileVersion
     ) -> StoredObject:
         target = self._path(key)
-        staged = _PRESTAGED.pop((target, str(path)), None)
+        staged = _PRESTAGED.pop(str(path), None)
         if staged is not None:
-            stored = staged.take(version)
+            stored = staged.take(target, version)
             if stored is not None:
                 return StoredObject(key, stored, sha256)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -194,11 +209,14 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
 
 
 class _Prestaged:
-    """A model file being copied into the store on a thread (`LocalStore.prestage`)."""
+    """A model file being copied into the store on a thread (`LocalStore.prestage`), towards
+    `target` (None: not known yet, `prestage_unnamed`)."""
 
-    def __init__(self, source: Path, target: Path, version: FileVersion) -> None:
-        self.source, self.target, self.version = source, target, version
-        self.temporary = _partial_name(target)
+    def __init__(
+        self, source: Path, folder: Path, version: FileVersion, target: Path | None = None
+    ) -> None:
+        self.source, self.version, self.target = source, version, target
+        self.temporary = folder / f".{uuid.uuid4().hex}.partial"
         self.stop = threading.Event()
         self.size: int | None = None
         self.after: FileVersion | None = None
@@ -221,14 +239,22 @@ class _Prestaged:
         except Exception:
             self.size = None  # put_version copies the file itself
 
-    def take(self, version: FileVersion) -> int | None:
-        """Rename the finished copy into place if the source kept `version` throughout; its
-        size, or None (the caller copies again)."""
+    def name(self, target: Path) -> bool:
+        """Make `target` this copy's place; False where it cannot be renamed there."""
+        if self.target is None and target.parent == self.temporary.parent:
+            self.target = target
+        return self.target == target
+
+    def take(self, target: Path, version: FileVersion) -> int | None:
+        """Rename the finished copy to `target`, its place, if the source kept `version`
+        throughout; its size, or None (the caller copies again)."""
         self.thread.join()
         try:
-            if self.size is None or not self.version == self.after == version:
+            if self.size is None or self.target != target:
                 return None
-            os.replace(self.temporary, self.target)
+            if not self.version == self.after == version:
+                return None
+            os.replace(self.temporary, target)
             return self.size
         finally:
             self.temporary.unlink(missing_ok=True)
@@ -239,8 +265,8 @@ class _Prestaged:
         self.temporary.unlink(missing_ok=True)
 
 
-_PRESTAGED: dict[tuple[Path, str], _Prestaged] = {}
-"""This process's model copies started by `LocalStore.prestage`, by (target, source)."""
+_PRESTAGED: dict[str, _Prestaged] = {}
+"""This process's model copies started by `LocalStore.prestage`, by the source's path."""
 
 
 def discard_prestaged() -> None:
