@@ -15,13 +15,15 @@ right after OpenVINO wrote it; neither is read twice (`put_version`, `adopt_file
   before it was hashed: a write during the copy changes it, and then the copy is hashed after
   all (and refused if its bytes changed).
 - A blob is *moved*: the file is the farm's own, hashed once (the row records its sha256),
-  flushed, and renamed into place.
+  flushed, and renamed into place. A blob of another user's (the compile user's) is copied and
+  the copy hashed, in one pipelined pass (`_copy_hashed`).
 
-The embedded `farm submit` starts that copy early (`prestage`, on a thread, right after the
-model was hashed), so the kernel copies and flushes it while the command imports OpenVINO,
-checks the model and opens the database; `put_version` then finds the copy made, checks the
-versions as above and renames it into place. A copy nobody took (a hit, an error) is deleted
-(`discard_prestaged`). Issue 30, item 3; bench/README.md "submit_overhead".
+The embedded `farm submit` starts that copy early, on a thread: while a new file is hashed,
+before its digest names it (`prestage_unnamed`), or right after (`prestage`), so the kernel
+copies and flushes it while the command hashes, imports OpenVINO, checks the model and opens
+the database; `put_version` then finds the copy made, checks the versions as above and renames
+it into place. A copy nobody took (a hit, an error) is deleted (`discard_prestaged`). Issue 30,
+item 3; bench/README.md "submit_overhead".
 """
 
 from __future__ import annotations
