@@ -76,6 +76,11 @@ class HashAhead:
         os.close(write)
         return cls(pid, read, stats, cache)
 
+    @property
+    def files(self) -> list[Path]:
+        """The files the child hashes: those the digest cache did not know."""
+        return [Path(name) for name in self._stats]
+
     def digest(self, file: Path, progress: Callable[[int], None] | None = None) -> str:
         """`file`'s sha256 (a `farm.core.identity.Digest`): the child's while `file` still
         has the version it had before the fork, remembered under that version; else hashed

@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +205,7 @@ def submit(
     try:
         try:
             if ahead is not None:  # files new here: their copy to the store starts beside the hash
-                staged = _prestage_unhashed(source.files)
+                staged = _prestage_unhashed(ahead.files)
             # OpenVINO loads only here (the listing commands start without it), beside the hash.
             from farm import prepare, toolchain
 
@@ -299,7 +298,7 @@ def _prestage(ref: ModelRef) -> bool:
     return True
 
 
-def _prestage_unhashed(files: Mapping[str, Path]) -> bool:
+def _prestage_unhashed(files: list[Path]) -> bool:
     """The embedded farm: start storing model files while they are hashed, before their keys
     are known (`backends.direct.prestage_unhashed`; `_prestage` names the copies); whether it
     did."""

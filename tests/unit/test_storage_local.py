@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 
 import pytest
@@ -143,6 +144,21 @@ def test_a_copy_started_while_the_model_was_hashed_is_named_and_taken(store, sou
     assert leftovers(store) == [digest]
 
 
+def test_a_copy_of_a_model_written_after_the_copy_is_not_taken(store, source):
+    """The copy ended at the version the model was hashed from; a write after it makes the
+    digest (hashed again) another file's: the copy is not stored under it."""
+    version = file_version(source)
+    store.prestage_unnamed("models", source, version)
+    local._PRESTAGED[str(source)].thread.join()
+    source.write_bytes(b"saved again after the copy")
+    digest = digest_of(source)
+    store.prestage(f"models/{digest}", source, version)
+    stored = store.put_version(f"models/{digest}", source, digest, version)
+    assert stored.sha256 == digest  # the file as it is now, hashed as it was stored
+    assert store.local_path(f"models/{digest}").read_bytes() == b"saved again after the copy"
+    assert leftovers(store) == [digest]
+
+
 def test_a_copy_started_while_hashing_a_model_stored_already_is_dropped(store, source):
     digest, version = digest_of(source), file_version(source)
     store.put_version(f"models/{digest}", source, digest, version)
@@ -223,8 +239,8 @@ def test_a_blob_of_another_user_is_copied_hashed_and_emptied_as_it_goes(store, s
 
 
 def test_a_hashed_copy_is_the_copy_hashed_chunk_by_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr(local, "HASHED_COPY_CHUNK", 4096)
-    data = os.urandom(10 * 4096 + 123)
+    monkeypatch.setattr(local, "HASHED_COPY_CHUNK", mmap.PAGESIZE)  # chunks start on pages
+    data = os.urandom(10 * mmap.PAGESIZE + 123)
     (tmp_path / "a").write_bytes(data)
     with open(tmp_path / "a", "rb") as source, open(tmp_path / "b", "x+b") as sink:
         digest = local._copy_hashed(source.fileno(), sink.fileno(), len(data), False)

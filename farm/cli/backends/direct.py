@@ -604,11 +604,23 @@ def prestage_model(settings: Settings, ref: ModelRef) -> None:
 
     store = open_store(settings.resolved_storage_url, settings)
     if isinstance(store, LocalStore):
-        for role, version in ref.versions.items():
-            store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
+        with _discarded_on_error():
+            for role, version in ref.versions.items():
+                store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
 
 
-def prestage_unhashed(settings: Settings, files: Mapping[str, Path]) -> None:
+@contextlib.contextmanager
+def _discarded_on_error() -> Iterator[None]:
+    """Copies started before an error (a file gone, an interrupt) are deleted: the caller
+    learns of none of them."""
+    try:
+        yield
+    except BaseException:
+        discard_prestaged()
+        raise
+
+
+def prestage_unhashed(settings: Settings, files: list[Path]) -> None:
     """The embedded farm: start copying model files into its store while they are hashed,
     before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them)."""
     if settings.api_url or settings.served:
@@ -619,8 +631,9 @@ def prestage_unhashed(settings: Settings, files: Mapping[str, Path]) -> None:
 
     store = open_store(settings.resolved_storage_url, settings)
     if isinstance(store, LocalStore):
-        for path in files.values():
-            store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
+        with _discarded_on_error():
+            for path in files:
+                store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
 
 
 def preload_submit() -> None:

@@ -315,10 +315,10 @@ def _store_files(
         if stored.sha256 != identity[role]:
             store.delete(store_key)  # ours, just made: not what its key says
             raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
-        if not path.exists():  # moved into a local store: the compile reads it there
-            assert isinstance(store, LocalPaths)
-            local = store.local_path(store_key)
-            assert local is not None
+        # A local store took the file given up (moved, or copied and the file emptied as it
+        # went): the compile reads it there.
+        local = store.local_path(store_key) if isinstance(store, LocalPaths) else None
+        if local is not None:
             outputs[role] = local
     return outputs, identity, size
 

@@ -146,8 +146,9 @@ class BlobStore(abc.ABC):
         return self.put_file(key, path, expected_sha256=sha256)
 
     def adopt_file(self, key: str, path: str | Path) -> StoredObject:
-        """Store the file at `path` under `key`; the caller gives the file up (a local store
-        moves it into place instead of copying it)."""
+        """Store the file at `path` under `key`; the caller gives the file up: a local store
+        moves it into place, or copies it and empties the file as it goes (another user's), so
+        what was stored is read from the store afterwards, never from `path`."""
         return self.put_file(key, path)
 
     @abc.abstractmethod

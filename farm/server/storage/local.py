@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.hashing import sha256_file, sha256_stream
-from farm.core.identity import FileVersion, version_of
+from farm.core.identity import FileVersion, file_version, version_of
 from farm.server.storage import (
     BlobStore,
     ListsObjects,
@@ -254,7 +254,9 @@ class _Prestaged:
         try:
             if self.size is None or self.target != target:
                 return None
-            if not self.version == self.after == version:
+            # The source as it is now too: a file written after the copy was hashed anew,
+            # and its digest is not this copy's.
+            if not self.version == self.after == version == _version_now(self.source):
                 return None
             os.replace(self.temporary, target)
             return self.size
@@ -265,6 +267,13 @@ class _Prestaged:
         self.stop.set()
         self.thread.join()
         self.temporary.unlink(missing_ok=True)
+
+
+def _version_now(path: Path) -> FileVersion | None:
+    try:
+        return file_version(path)
+    except OSError:
+        return None
 
 
 _PRESTAGED: dict[str, _Prestaged] = {}
