@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import click
@@ -287,30 +288,33 @@ def _load_what_submit_needs() -> None:
 def _prestage(ref: ModelRef) -> bool:
     """The embedded farm: start storing the model's files now, beside the command's next steps
     (`backends.direct.prestage_model`); whether it did."""
-    settings = get_settings()
-    if settings.api_url or settings.served:
-        return False
-    try:
-        from farm.cli.backends.direct import prestage_model
-    except ModuleNotFoundError:  # no farm[embedded]: `backend()` says so, as it did
-        return False
-    prestage_model(settings, ref)
-    return True
+    direct = _embedded_backend()
+    if direct is not None:
+        direct.prestage_model(get_settings(), ref)
+    return direct is not None
 
 
 def _prestage_unhashed(files: list[Path]) -> bool:
     """The embedded farm: start storing model files while they are hashed, before their keys
     are known (`backends.direct.prestage_unhashed`; `_prestage` names the copies); whether it
     did."""
+    direct = _embedded_backend()
+    if direct is not None:
+        direct.prestage_unhashed(get_settings(), files)
+    return direct is not None
+
+
+def _embedded_backend() -> ModuleType | None:
+    """`farm.cli.backends.direct` when this submit runs the embedded farm; None when it is
+    served, or without farm[embedded] (`backend()` says so, as it did)."""
     settings = get_settings()
     if settings.api_url or settings.served:
-        return False
+        return None
     try:
-        from farm.cli.backends.direct import prestage_unhashed
-    except ModuleNotFoundError:  # no farm[embedded]: `backend()` says so, as it did
-        return False
-    prestage_unhashed(settings, files)
-    return True
+        from farm.cli.backends import direct
+    except ModuleNotFoundError:
+        return None
+    return direct
 
 
 def _discard_prestaged() -> None:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from farm.server.blobs import gc, resign
     from farm.server.db.models import ApiToken
     from farm.server.jobs.dispatch import Dispatcher
+    from farm.server.storage.local import LocalStore
 
 
 class Direct:
@@ -597,16 +598,37 @@ def prestage_model(settings: Settings, ref: ModelRef) -> None:
     """The embedded farm: start copying the model's files into its store now, on threads,
     while the command goes on (`LocalStore.prestage`); the submit's `put_version` takes the
     copies, `discard_prestaged` deletes those it did not."""
-    if settings.api_url or settings.served:
-        return
-    from farm.server.storage import model_storage_key, open_store
-    from farm.server.storage.local import LocalStore
+    from farm.server.storage import model_storage_key
 
-    store = open_store(settings.resolved_storage_url, settings)
-    if isinstance(store, LocalStore):
+    store = _local_store(settings)
+    if store is not None:
         with _discarded_on_error():
             for role, version in ref.versions.items():
                 store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
+
+
+def prestage_unhashed(settings: Settings, files: list[Path]) -> None:
+    """The embedded farm: start copying model files into its store while they are hashed,
+    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them)."""
+    from farm.core.identity import file_version
+    from farm.server.storage import MODELS_FOLDER
+
+    store = _local_store(settings)
+    if store is not None:
+        with _discarded_on_error():
+            for path in files:
+                store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
+
+
+def _local_store(settings: Settings) -> LocalStore | None:
+    """The embedded farm's store when it is a local folder (the store copies can go to)."""
+    if settings.api_url or settings.served:
+        return None
+    from farm.server.storage import open_store
+    from farm.server.storage.local import LocalStore
+
+    store = open_store(settings.resolved_storage_url, settings)
+    return store if isinstance(store, LocalStore) else None
 
 
 @contextlib.contextmanager
@@ -618,22 +640,6 @@ def _discarded_on_error() -> Iterator[None]:
     except BaseException:
         discard_prestaged()
         raise
-
-
-def prestage_unhashed(settings: Settings, files: list[Path]) -> None:
-    """The embedded farm: start copying model files into its store while they are hashed,
-    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them)."""
-    if settings.api_url or settings.served:
-        return
-    from farm.core.identity import file_version
-    from farm.server.storage import MODELS_FOLDER, open_store
-    from farm.server.storage.local import LocalStore
-
-    store = open_store(settings.resolved_storage_url, settings)
-    if isinstance(store, LocalStore):
-        with _discarded_on_error():
-            for path in files:
-                store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
 
 
 def preload_submit() -> None:
