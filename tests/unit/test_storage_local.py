@@ -272,3 +272,18 @@ def test_a_link_is_not_adopted(store, source, tmp_path):
     with pytest.raises(OSError):
         store.adopt_file("blobs/k.blob", link)
     assert leftovers(store) == [] and source.exists()
+
+
+def test_a_copy_goes_in_pieces_each_written_to_disk_as_the_next_is_copied(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "COPY_PIECE_BYTES", 4096)
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        local, "_start_writeback", lambda fd, offset, count: started.append((offset, count))
+    )
+    source = tmp_path / "model.bin"
+    source.write_bytes(os.urandom(10_000))
+    sink = tmp_path / "copy.bin"
+    with open(source, "rb") as reader, open(sink, "wb") as writer:
+        assert local._copy(reader.fileno(), writer.fileno()) == 10_000
+    assert sink.read_bytes() == source.read_bytes()
+    assert started == [(0, 4096), (4096, 4096), (8192, 1808)]

@@ -59,6 +59,8 @@ from farm.server.storage import (
 )
 
 CHUNK_BYTES = 1 << 20
+COPY_PIECE_BYTES = 64 << 20
+"""How much of a file `_copy` copies before it starts the disk writing it."""
 
 
 class LocalStore(BlobStore, LocalPaths, ListsObjects):
@@ -416,12 +418,13 @@ def _writable(descriptor: int) -> bool:
 
 
 def _copy(source: int, sink: int, stop: threading.Event | None = None) -> int:
-    """Copy the whole file `source` to `sink` in the kernel; returns the bytes copied. `stop`:
-    set, the copy ends early (at the next 64 MiB)."""
+    """Copy the whole file `source` to `sink` in the kernel, 64 MiB at a time, the disk
+    writing each piece as the next is copied (the fsync that follows then waits for the last
+    piece, not the whole file); returns the bytes copied. `stop`: set, the copy ends early."""
     copied = 0
-    chunk = 1 << 30 if stop is None else 1 << 26
     try:
-        while count := os.copy_file_range(source, sink, chunk):
+        while count := os.copy_file_range(source, sink, COPY_PIECE_BYTES):
+            _start_writeback(sink, copied, count)
             copied += count
             if stop is not None and stop.is_set():
                 return copied
