@@ -24,6 +24,7 @@ from rich.text import Text
 import farm.cli as cli_package
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
+from farm.cli.backends.ahead import prestart_compile
 from farm.cli.common import (
     EXIT_CODES,
     EXIT_JOB_FAILED,
@@ -205,8 +206,11 @@ def submit(
     staged = False
     try:
         try:
-            if ahead is not None:  # files new here: their copy to the store starts beside the hash
-                staged = _prestage_unhashed(ahead.files)
+            if ahead is not None:  # files new here: their compile child and their copy to the
+                # store start beside the hash
+                if not source.needs_conversion:
+                    staged = prestart_compile(get_settings(), specs[0].target)
+                staged = _prestage_unhashed(ahead.files) or staged
             # OpenVINO loads only here (the listing commands start without it), beside the hash.
             from farm import prepare, toolchain
 

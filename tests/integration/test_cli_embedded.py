@@ -54,6 +54,21 @@ def row_count(farm_home: Path, table: str) -> int:
         return connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
 
 
+def compile_children_started_ahead() -> list[int]:
+    """Running compile children started ahead of a job (their command names the target)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        ahead = b"farm.server.jobs.sandbox" in command and command[-2:] == [b"CPU", b""]
+        if ahead and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.fixture
 def conv_xml(tmp_path) -> Path:
     return models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
@@ -83,6 +98,8 @@ def test_submit_pull_run_and_a_second_submit_is_a_hit(farm_home, conv_xml, tmp_p
     assert third == {"outcome": "hit", "cache_key": key}
     assert [name for name in stored_files(farm_home) if name.startswith("models/")] == models_stored
     assert not any(Path(name).name.startswith(".") for name in stored_files(farm_home))
+    # Its compile child, started beside the hash, was ended when no job took it.
+    assert not compile_children_started_ahead()
 
     by_key = tmp_path / "by-key.blob"  # the plain export_model() bytes
     pulled = farm_json(farm_home, "pull", key, "-o", str(by_key))

@@ -649,10 +649,13 @@ def preload_submit() -> None:
 
 
 def discard_prestaged() -> None:
-    """Stop and delete the model copies `prestage_model` started that the submit did not take."""
+    """Stop and delete the model copies `prestage_model` started that the submit did not take,
+    and end a compile child started ahead that no job took (`sandbox.prestart_compile_child`)."""
+    from farm.server.jobs.sandbox import discard_prestarted
     from farm.server.storage.local import discard_prestaged
 
     discard_prestaged()
+    discard_prestarted()
 
 
 def upgrade_schema(settings: Settings) -> str | None:

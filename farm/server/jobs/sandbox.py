@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
@@ -529,7 +529,8 @@ def _child_in_box(
     result_path = out_dir.parent / f"{name}.result.json"
     log_path = out_dir.parent / f"{name}.log"
     result_path.unlink(missing_ok=True)
-    box = _make_box(out_dir, identity)
+    waiting = _take_waiting(fields, identity)
+    box = waiting.box if waiting is not None else _make_box(out_dir, identity)
     try:
         staged = {
             role: _stage(Path(path), _in_box(box, (names or {}).get(role), role), identity)
@@ -557,15 +558,27 @@ def _child_in_box(
                 }
             )
         )
-        returncode, timed_out = _run_child(
-            request, result_path, log_path, box, timeout_seconds, should_stop, identity
-        )
+        if waiting is not None:
+            returncode, timed_out = waiting.run(
+                request, result_path, log_path, timeout_seconds, should_stop
+            )
+            waiting = None
+        else:
+            returncode, timed_out = _run_child(
+                request, result_path, log_path, box, timeout_seconds, should_stop, identity
+            )
         yield _ChildRun(box, log_path, result_path, returncode, timed_out)
     finally:
+        if waiting is not None:  # an error before its request: it never had one
+            waiting.discard()
+        _remove_box(box, identity)
+
+
+def _remove_box(box: Path, identity: ChildUser | None) -> None:
+    shutil.rmtree(box, ignore_errors=True)
+    if box.exists() and identity and identity.launcher:  # folders the child made are its own
+        as_compile_user(identity, child_environment(os.environ, Path("/")), "--empty", str(box))
         shutil.rmtree(box, ignore_errors=True)
-        if box.exists() and identity and identity.launcher:  # folders the child made are its own
-            as_compile_user(identity, child_environment(os.environ, Path("/")), "--empty", str(box))
-            shutil.rmtree(box, ignore_errors=True)
 
 
 def _in_box(box: Path, relative: str | None, role: str) -> Path:
@@ -591,39 +604,192 @@ def _run_child(
     """Start the child in `box` as `identity` (None: this process's user) and watch it until
     it ends; returns (exit code, timed out). Whatever it leaves running in its process group
     is killed before its exit is collected."""
-    started = time.monotonic()
     with (
         open(log_path, "wb") as log,
         open(request, "rb") as request_file,
         open(result_path, "wb") as result_file,
     ):
-        fds = (request_file.fileno(), result_file.fileno())
-        # -P: the box (the working directory) is not put on the child's import path.
-        command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *map(str, fds)]
         env = child_environment(os.environ, box)
-        child = subprocess.Popen(
-            launched(identity, command, env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=box,
-            env=env,
-            pass_fds=fds,
-            process_group=0,
-            preexec_fn=_die_with_parent,
-        )
-        exited = _exit_watch(child.pid)
-        try:
-            while not _has_exited(exited, child.pid, POLL_SECONDS):
-                if should_stop():
-                    raise CompileCancelled("compile cancelled")
-                if time.monotonic() - started > timeout_seconds:
-                    return -signal.SIGKILL, True
-        finally:
-            # Not yet collected, the child's pid (its process group's id) is still its own.
-            kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
-            child.wait()
-            os.close(exited)
+        child = _start_child(box, identity, env, request_file, result_file, log)
+        return _watch_child(child, identity, env, timeout_seconds, should_stop)
+
+
+def _start_child(
+    box: Path,
+    identity: ChildUser | None,
+    env: dict[str, str],
+    request: IO[bytes],
+    result: IO[bytes],
+    log: IO[bytes],
+    ahead_for: Target | None = None,
+) -> subprocess.Popen:
+    """Start ``python -m farm.server.jobs.sandbox REQUEST_FD RESULT_FD [TARGET]`` in `box` as
+    `identity`, in a process group of its own; given `ahead_for`, it loads OpenVINO for that
+    target before it reads its request (`prestart_compile_child`)."""
+    fds = (request.fileno(), result.fileno())
+    # -P: the box (the working directory) is not put on the child's import path.
+    command = [sys.executable, "-P", "-m", "farm.server.jobs.sandbox", *map(str, fds)]
+    if ahead_for is not None:
+        command.append(ahead_for.name)
+    return subprocess.Popen(
+        launched(identity, command, env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=box,
+        env=env,
+        pass_fds=fds,
+        process_group=0,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def _watch_child(
+    child: subprocess.Popen,
+    identity: ChildUser | None,
+    env: Mapping[str, str],
+    timeout_seconds: float,
+    should_stop: Callable[[], bool],
+) -> tuple[int, bool]:
+    """Wait for `child` to end, killing it past `timeout_seconds` or when `should_stop`;
+    returns (exit code, timed out). Whatever it leaves running in its process group is killed
+    before its exit is collected."""
+    started = time.monotonic()
+    exited = _exit_watch(child.pid)
+    try:
+        while not _has_exited(exited, child.pid, POLL_SECONDS):
+            if should_stop():
+                raise CompileCancelled("compile cancelled")
+            if time.monotonic() - started > timeout_seconds:
+                return -signal.SIGKILL, True
+    finally:
+        # Not yet collected, the child's pid (its process group's id) is still its own.
+        kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
+        child.wait()
+        os.close(exited)
     return child.returncode, False
+
+
+# --- a compile child started ahead of its job -------------------------------------------------
+
+
+class _WaitingChild:
+    """A compile child started before its job's request exists (`prestart_compile_child`):
+    in a box of its own, it loads OpenVINO and the target's plugin, then waits for its request
+    on a pipe. Until `run` copies them beside the job's request, where a child started for the
+    job writes them, its result and output go to files without a name."""
+
+    def __init__(self, target: Target, identity: ChildUser | None) -> None:
+        self.target, self.identity, self.pid = target, identity, os.getpid()
+        # Where `_make_box` puts the box of a job folder in the temporary directory.
+        self.box = _make_box(Path(tempfile.gettempdir(), "job"), identity)
+        self.env = child_environment(os.environ, self.box)
+        # Open as long as the child lives: `run` or `discard` closes them.
+        self._result = tempfile.TemporaryFile()  # noqa: SIM115
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        read_end, request_end = os.pipe()
+        self._request: int | None = request_end
+        try:
+            with os.fdopen(read_end, "rb") as request:
+                self.child = _start_child(
+                    self.box, identity, self.env, request, self._result, self._log, target
+                )
+        except BaseException:
+            self._close()
+            _remove_box(self.box, identity)
+            raise
+
+    def fits(self, fields: Mapping[str, object], identity: ChildUser | None) -> bool:
+        """Whether this child can run the request `fields` of a child for `identity`: a
+        compile (no other task) for its target, as that user, from this process."""
+        return (
+            fields.get("task") is None
+            and fields.get("target") == self.target.name
+            and identity == self.identity
+            and os.getpid() == self.pid
+            and not self._exited()
+        )
+
+    def run(
+        self,
+        request: Path,
+        result_path: Path,
+        log_path: Path,
+        timeout_seconds: float,
+        should_stop: Callable[[], bool],
+    ) -> tuple[int, bool]:
+        """Hand the child its request (the file `request`) and watch it as `_run_child` does;
+        its result and output then at `result_path` and `log_path`."""
+        request_end, self._request = self._request, None  # closed below, whatever happens
+        try:
+            assert request_end is not None, "a waiting child runs one request"
+            with contextlib.suppress(BrokenPipeError), os.fdopen(request_end, "wb") as pipe:
+                pipe.write(request.read_bytes())  # a child that died says how by its exit
+            return _watch_child(self.child, self.identity, self.env, timeout_seconds, should_stop)
+        finally:
+            for unnamed, path in ((self._result, result_path), (self._log, log_path)):
+                unnamed.seek(0)
+                with open(path, "wb") as named:
+                    shutil.copyfileobj(unnamed, named)
+            self._close()
+
+    def discard(self) -> None:
+        """End the child, never given a request, and remove its box."""
+        self._close()  # at the end of the pipe, a child not yet killed reads no request, and ends
+        kill_group(self.child.pid, self.identity, self._exited(), self.env)
+        self.child.wait()
+        _remove_box(self.box, self.identity)
+
+    def _exited(self) -> bool:
+        """Whether the child has ended (never collects it: its pid stays its own)."""
+        try:
+            return (
+                os.waitid(os.P_PID, self.child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                is not None
+            )
+        except ChildProcessError:
+            return True
+
+    def _close(self) -> None:
+        if self._request is not None:
+            os.close(self._request)
+            self._request = None
+        self._result.close()
+        self._log.close()
+
+
+_WAITING: list[_WaitingChild] = []
+"""The compile child started ahead of its job, if any (one at most)."""
+
+
+def prestart_compile_child(
+    target: Target, compile_user: str | None = None, compile_launcher: Path | None = None
+) -> None:
+    """Start a compile child for `target` now, to be taken by this process's next compile for
+    that target (`compile_in_child`): its interpreter's start and OpenVINO's import (about
+    0.25 s) then happen beside whatever comes before the compile (the embedded `farm submit`:
+    the model's hash). It holds what any compile child holds, no more; it reads no model and
+    takes no limit before its request; `discard_prestarted` ends it if no compile takes it.
+    Best effort: a child that cannot start here fails again, with its error, in the job."""
+    discard_prestarted()
+    with contextlib.suppress(OSError, errors.FarmError):
+        _WAITING.append(_WaitingChild(target, compile_identity(compile_user, compile_launcher)))
+
+
+def discard_prestarted() -> None:
+    """End the compile child started ahead (`prestart_compile_child`) that nothing took."""
+    while _WAITING:
+        _WAITING.pop().discard()
+
+
+def _take_waiting(fields: Mapping[str, object], identity: ChildUser | None) -> _WaitingChild | None:
+    """The child started ahead, if it can run `fields` (else it is ended)."""
+    if not _WAITING:
+        return None
+    waiting = _WAITING.pop()
+    if waiting.fits(fields, identity):
+        return waiting
+    waiting.discard()
+    return None
 
 
 def _exit_watch(pid: int) -> int:
@@ -934,15 +1100,21 @@ def _out_of_memory(error: BaseException | None) -> bool:
     return False
 
 
-def _child_main(request_fd: str, result_fd: str) -> int:
+def _child_main(request_fd: str, result_fd: str, ahead_for: str | None = None) -> int:
+    if ahead_for is not None:  # started before its request: load what any compile loads
+        _load_ahead(Target.parse(ahead_for))
     with os.fdopen(int(request_fd), "rb") as request_file:
-        request = json.loads(request_file.read())
+        raw = request_file.read()
+    if not raw:  # started ahead, and no job took it
+        _exit_now()
+    request = json.loads(raw)
     parent = request["parent"]
     if not request.get("run_as"):
         _die_with(parent)
     memory_bytes = request.get("memory_bytes")
     result = os.fdopen(int(result_fd), "w")  # written at the very end
-    # Before OpenVINO is imported: the limit covers everything the compile maps or allocates.
+    # Before the model is read, and (unless started ahead) before OpenVINO is imported: the
+    # address-space limit counts all the process has mapped, whenever it was mapped.
     _limit_resources(memory_bytes, request.get("max_blob_bytes"))
     if request.get("task") == "stage":
         return _stage_child(request, result, parent)
@@ -988,6 +1160,15 @@ def _child_main(request_fd: str, result_fd: str) -> int:
     result.write(json.dumps(payload))
     result.close()
     _exit_now()
+
+
+def _load_ahead(target: Target) -> None:
+    """What a compile child for `target` loads before it knows its model (as
+    `_child_main` loads it for a compile of an IR), for a child started ahead."""
+    skip_conversion_api()
+    from farm.server.jobs import compiler  # noqa: F401
+
+    _load_openvino(target, {"xml", "bin"})
 
 
 def converts(request: Mapping[str, Any]) -> bool:
@@ -1189,4 +1370,4 @@ def _reference(files, spec: CompileSpec, request: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+    sys.exit(_child_main(*sys.argv[1:4]))
