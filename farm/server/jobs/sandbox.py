@@ -1167,8 +1167,11 @@ def _load_ahead(target: Target) -> None:
     `_child_main` loads it for a compile of an IR), for a child started ahead."""
     skip_conversion_api()
     from farm.server.jobs import compiler  # noqa: F401
+    from farm.toolchain import names_cache_entries
 
     _load_openvino(target, {"xml", "bin"})
+    with contextlib.suppress(Exception):  # a one-op compile each compile asks (once) first
+        names_cache_entries()
 
 
 def converts(request: Mapping[str, Any]) -> bool:
