@@ -208,7 +208,7 @@ def submit(
         try:
             if ahead is not None:  # files new here: their compile child and their copy to the
                 # store start beside the hash
-                if not source.needs_conversion:
+                if not source.needs_conversion and compressed.kind is None:  # else a stage first
                     staged = prestart_compile(get_settings(), specs[0].target)
                 staged = _prestage_unhashed(ahead.files) or staged
             # OpenVINO loads only here (the listing commands start without it), beside the hash.

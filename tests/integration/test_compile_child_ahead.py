@@ -5,6 +5,7 @@ limits; a job it cannot run, and a submit that needs no compile, end it and remo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -133,10 +134,35 @@ def test_a_child_no_job_takes_ends_when_discarded_or_with_its_parent(tmp_path):
         "from farm.core.spec import Target\n"
         "from farm.server.jobs import sandbox\n"
         "sandbox.prestart_compile_child(Target.parse('CPU'))\n"
-        "print(sandbox._WAITING[0].child.pid, flush=True)\n"
+        "print(sandbox._WAITING[0].child.pid, sandbox._WAITING[0].box, flush=True)\n"
         "os._exit(0)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
-    assert gone(int(done.stdout)), "the child outlived the process that started it"
+    pid, box = done.stdout.split()
+    assert gone(int(pid)), "the child outlived the process that started it"
+    shutil.rmtree(box, ignore_errors=True)  # an abrupt end leaves the empty box behind
+
+
+def test_a_cancelled_compile_ends_the_child_started_ahead_once(tmp_path, monkeypatch):
+    files = model_files(models.save_ir(models.large_net(8), tmp_path / "m" / "big.xml"))
+    sandbox.prestart_compile_child(CPU)
+    pid = waiting_child().child.pid
+    monkeypatch.setattr(sandbox, "POLL_SECONDS", 0.0)  # asked to stop at once
+    killed: list[int] = []
+    kill = sandbox.kill_group
+    monkeypatch.setattr(
+        sandbox, "kill_group", lambda group, *rest: (killed.append(group), kill(group, *rest))
+    )
+    with pytest.raises(errors.CompileCancelled):
+        sandbox.compile_in_child(
+            files,
+            CompileSpec.create(CPU),
+            tmp_path / "out",
+            "k",
+            timeout_seconds=120,
+            should_stop=lambda: True,
+        )
+    # Killed and collected once: a second kill would signal whoever has its pid now.
+    assert killed == [pid] and gone(pid) and sandbox._WAITING == []

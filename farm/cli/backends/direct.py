@@ -654,8 +654,10 @@ def discard_prestaged() -> None:
     from farm.server.jobs.sandbox import discard_prestarted
     from farm.server.storage.local import discard_prestaged
 
-    discard_prestaged()
-    discard_prestarted()
+    try:
+        discard_prestaged()
+    finally:
+        discard_prestarted()
 
 
 def upgrade_schema(settings: Settings) -> str | None:

@@ -559,10 +559,10 @@ def _child_in_box(
             )
         )
         if waiting is not None:
-            returncode, timed_out = waiting.run(
+            taken, waiting = waiting, None  # `run` ends it, whatever happens
+            returncode, timed_out = taken.run(
                 request, result_path, log_path, timeout_seconds, should_stop
             )
-            waiting = None
         else:
             returncode, timed_out = _run_child(
                 request, result_path, log_path, box, timeout_seconds, should_stop, identity
@@ -683,12 +683,12 @@ class _WaitingChild:
         # Where `_make_box` puts the box of a job folder in the temporary directory.
         self.box = _make_box(Path(tempfile.gettempdir(), "job"), identity)
         self.env = child_environment(os.environ, self.box)
-        # Open as long as the child lives: `run` or `discard` closes them.
-        self._result = tempfile.TemporaryFile()  # noqa: SIM115
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
-        read_end, request_end = os.pipe()
-        self._request: int | None = request_end
+        self._request: int | None = None
         try:
+            # Open as long as the child lives: `run` or `discard` closes them.
+            self._result = tempfile.TemporaryFile()  # noqa: SIM115
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115
+            read_end, self._request = os.pipe()
             with os.fdopen(read_end, "rb") as request:
                 self.child = _start_child(
                     self.box, identity, self.env, request, self._result, self._log, target
@@ -722,8 +722,12 @@ class _WaitingChild:
         request_end, self._request = self._request, None  # closed below, whatever happens
         try:
             assert request_end is not None, "a waiting child runs one request"
-            with contextlib.suppress(BrokenPipeError), os.fdopen(request_end, "wb") as pipe:
-                pipe.write(request.read_bytes())  # a child that died says how by its exit
+            try:
+                with contextlib.suppress(BrokenPipeError), os.fdopen(request_end, "wb") as pipe:
+                    pipe.write(request.read_bytes())  # a child that died says how by its exit
+            except BaseException:
+                self._end()
+                raise
             return _watch_child(self.child, self.identity, self.env, timeout_seconds, should_stop)
         finally:
             for unnamed, path in ((self._result, result_path), (self._log, log_path)):
@@ -735,9 +739,13 @@ class _WaitingChild:
     def discard(self) -> None:
         """End the child, never given a request, and remove its box."""
         self._close()  # at the end of the pipe, a child not yet killed reads no request, and ends
+        self._end()
+        _remove_box(self.box, self.identity)
+
+    def _end(self) -> None:
+        """Kill the child's process group and collect the child (once: its pid is then free)."""
         kill_group(self.child.pid, self.identity, self._exited(), self.env)
         self.child.wait()
-        _remove_box(self.box, self.identity)
 
     def _exited(self) -> bool:
         """Whether the child has ended (never collects it: its pid stays its own)."""
@@ -753,8 +761,9 @@ class _WaitingChild:
         if self._request is not None:
             os.close(self._request)
             self._request = None
-        self._result.close()
-        self._log.close()
+        for unnamed in (getattr(self, "_result", None), getattr(self, "_log", None)):
+            if unnamed is not None:
+                unnamed.close()
 
 
 _WAITING: list[_WaitingChild] = []
@@ -771,7 +780,7 @@ def prestart_compile_child(
     takes no limit before its request; `discard_prestarted` ends it if no compile takes it.
     Best effort: a child that cannot start here fails again, with its error, in the job."""
     discard_prestarted()
-    with contextlib.suppress(OSError, errors.FarmError):
+    with contextlib.suppress(OSError, subprocess.SubprocessError, errors.FarmError):
         _WAITING.append(_WaitingChild(target, compile_identity(compile_user, compile_launcher)))
 
 
@@ -1101,6 +1110,10 @@ def _out_of_memory(error: BaseException | None) -> bool:
 
 
 def _child_main(request_fd: str, result_fd: str, ahead_for: str | None = None) -> int:
+    # Before any thread starts (a thread inherits both; `_become` sets the flag for its own
+    # thread only): no core dump of a crash while loading, no privileges gained through exec.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if ahead_for is not None:  # started before its request: load what any compile loads
         _load_ahead(Target.parse(ahead_for))
     with os.fdopen(int(request_fd), "rb") as request_file:
@@ -1167,11 +1180,9 @@ def _load_ahead(target: Target) -> None:
     `_child_main` loads it for a compile of an IR), for a child started ahead."""
     skip_conversion_api()
     from farm.server.jobs import compiler  # noqa: F401
-    from farm.toolchain import names_cache_entries
 
+    # Nothing that writes: the box belongs to the compile user, and this is still root.
     _load_openvino(target, {"xml", "bin"})
-    with contextlib.suppress(Exception):  # a one-op compile each compile asks (once) first
-        names_cache_entries()
 
 
 def converts(request: Mapping[str, Any]) -> bool:
