@@ -776,8 +776,9 @@ def prestart_compile_child(
     """Start a compile child for `target` now, to be taken by this process's next compile for
     that target (`compile_in_child`): its interpreter's start and OpenVINO's import (about
     0.25 s) then happen beside whatever comes before the compile (the embedded `farm submit`:
-    the model's hash). It holds what any compile child holds, no more; it reads no model and
-    takes no limit before its request; `discard_prestarted` ends it if no compile takes it.
+    the model's hash). It holds what any compile child holds, no more; until its request it
+    writes nothing and reads no model, and its memory and file-size limits come with the
+    request; `discard_prestarted` ends it if no compile takes it.
     Best effort: a child that cannot start here fails again, with its error, in the job."""
     discard_prestarted()
     with contextlib.suppress(OSError, subprocess.SubprocessError, errors.FarmError):
