@@ -706,7 +706,7 @@ class _WaitingChild:
             and fields.get("target") == self.target.name
             and identity == self.identity
             and os.getpid() == self.pid
-            and not self._exited()
+            and not _exited_now(self.child.pid)
         )
 
     def run(
@@ -744,18 +744,8 @@ class _WaitingChild:
 
     def _end(self) -> None:
         """Kill the child's process group and collect the child (once: its pid is then free)."""
-        kill_group(self.child.pid, self.identity, self._exited(), self.env)
+        kill_group(self.child.pid, self.identity, _exited_now(self.child.pid), self.env)
         self.child.wait()
-
-    def _exited(self) -> bool:
-        """Whether the child has ended (never collects it: its pid stays its own)."""
-        try:
-            return (
-                os.waitid(os.P_PID, self.child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                is not None
-            )
-        except ChildProcessError:
-            return True
 
     def _close(self) -> None:
         if self._request is not None:
@@ -812,6 +802,11 @@ def _has_exited(watch: int, pid: int, timeout: float) -> bool:
     (returns as soon as it exits: a plain sleep rounded every compile up to a multiple of
     POLL_SECONDS, half the run time of a small model's job)."""
     select.select([watch], [], [], timeout)
+    return _exited_now(pid)
+
+
+def _exited_now(pid: int) -> bool:
+    """Whether child `pid` has exited, never collecting it (its pid stays its own)."""
     try:
         ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
