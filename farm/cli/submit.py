@@ -204,13 +204,14 @@ def submit(
     if cli_package.whole_process and threading.active_count() == 1:  # a fork is safe
         ahead = HashAhead.start(source.files, model.name, quiet or as_json, digests)
     staged = False
+    compiled_as_is = not source.needs_conversion and compressed.kind is None  # no stage first
     try:
         try:
             if ahead is not None:  # files new here: their compile child and their copy to the
                 # store start beside the hash
-                if not source.needs_conversion and compressed.kind is None:  # else a stage first
+                if compiled_as_is:
                     staged = prestart_compile(get_settings(), specs[0].target)
-                staged = _prestage_unhashed(ahead.files) or staged
+                staged = _prestage_unhashed(ahead.files, compiled_as_is) or staged
             # OpenVINO loads only here (the listing commands start without it), beside the hash.
             from farm import prepare, toolchain
 
@@ -229,7 +230,7 @@ def submit(
         finally:
             if ahead:
                 ahead.close()
-        staged = _prestage(ref) or staged
+        staged = _prestage(ref, compiled_as_is) or staged
         if not source.needs_conversion:  # a source is checked on the worker, once converted
             for spec in specs:
                 prepare.check_model(ref.files, spec)
@@ -289,22 +290,23 @@ def _load_what_submit_needs() -> None:
         preload_submit()
 
 
-def _prestage(ref: ModelRef) -> bool:
+def _prestage(ref: ModelRef, compiled_as_is: bool) -> bool:
     """The embedded farm: start storing the model's files now, beside the command's next steps
-    (`backends.direct.prestage_model`); whether it did."""
+    (`backends.direct.prestage_model`); whether it did. `compiled_as_is`: the job's compile
+    child reads them (no stage converts or compresses them first)."""
     direct = _embedded_backend()
     if direct is not None:
-        direct.prestage_model(get_settings(), ref)
+        direct.prestage_model(get_settings(), ref, compiled_as_is)
     return direct is not None
 
 
-def _prestage_unhashed(files: list[Path]) -> bool:
+def _prestage_unhashed(files: list[Path], compiled_as_is: bool) -> bool:
     """The embedded farm: start storing model files while they are hashed, before their keys
     are known (`backends.direct.prestage_unhashed`; `_prestage` names the copies); whether it
     did."""
     direct = _embedded_backend()
     if direct is not None:
-        direct.prestage_unhashed(get_settings(), files)
+        direct.prestage_unhashed(get_settings(), files, compiled_as_is)
     return direct is not None
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -371,3 +373,34 @@ def test_status_shows_where_the_jobs_time_went(farm_home, conv_xml):
     text = farm(farm_home, "status", str(job_id)).stdout
     assert "phases     queued " in text and ", compile " in text
     assert row_count(farm_home, "job_phases") == 5
+
+
+def test_a_new_model_the_compile_child_may_read_is_compiled_where_it_is(farm_home, monkeypatch):
+    """The store's copy of a model the compile child reads where it is goes around the page
+    cache: the user's file, just hashed, is in memory already (bench/README.md
+    "submit_overhead"). The copy is the model's bytes all the same, and the blob is its."""
+    from farm.server.jobs.compile_user import compile_identity
+    from farm.server.jobs.sandbox import readable_in_place
+    from tests.pagecache import cached_pages, direct_io_here
+
+    monkeypatch.setenv("FARM_REFERENCE_OUTPUTS", "0")  # a reference run would read the copy
+    folder = Path(tempfile.mkdtemp(prefix="farm-user-model-"))
+    try:
+        folder.chmod(0o755)
+        xml = models.save_ir(models.large_net(16), folder / "big.xml")
+        weights = xml.with_suffix(".bin")
+        if not readable_in_place(weights, compile_identity()):
+            pytest.skip("the temporary folder is not open to the compile user here")
+        farm_home.mkdir()
+        if not direct_io_here(farm_home):
+            pytest.skip("no direct I/O where the store is")
+        answer = farm_json(farm_home, "submit", str(xml), "--device", "CPU")
+        assert answer["job"]["state"] == "succeeded"
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+        stored = farm_home / "store" / "models" / digest
+        assert cached_pages(stored) == 0  # written around the cache, and never read since
+        assert stored.read_bytes() == weights.read_bytes()
+        blob = farm_home / "store" / "blobs" / f"{answer['cache_key']}.blob"
+        assert blob.stat().st_size > weights.stat().st_size
+    finally:
+        shutil.rmtree(folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -11,6 +12,7 @@ import pytest
 from farm.core.identity import file_version
 from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, local, open_store
 from farm.server.storage.local import LocalStore, discard_prestaged
+from tests.pagecache import cached_pages, direct_io_here
 
 
 @pytest.fixture
@@ -287,3 +289,60 @@ def test_a_copy_goes_in_pieces_each_written_to_disk_as_the_next_is_copied(tmp_pa
         assert local._copy(reader.fileno(), writer.fileno()) == 10_000
     assert sink.read_bytes() == source.read_bytes()
     assert started == [(0, 4096), (4096, 4096), (8192, 1808)]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096 + 17, (1 << 20) + 5])
+def test_an_uncached_copy_is_the_file_and_leaves_no_page_in_memory(tmp_path, size, monkeypatch):
+    """The store's copy of a model the compile reads where it is goes around the page cache:
+    whole blocks with direct I/O, the last partial one through the cache."""
+    if not direct_io_here(tmp_path):
+        pytest.skip("no direct I/O on this file system")
+    monkeypatch.setattr(local, "UNCACHED_PIECE_BYTES", 1 << 18)  # several pieces
+    source, sink = tmp_path / "model.bin", tmp_path / "copy.bin"
+    source.write_bytes(os.urandom(size))
+    with open(source, "rb") as reader, open(sink, "xb") as writer:
+        assert local._copy_uncached(reader.fileno(), writer.fileno(), sink) == size
+    assert sink.read_bytes() == source.read_bytes()
+    sink.write_bytes(b"")  # the read above cached it; copy again, and look before reading
+    with open(source, "rb") as reader, open(sink, "r+b") as writer:
+        local._copy_uncached(reader.fileno(), writer.fileno(), sink)
+    assert cached_pages(sink) <= (1 if size % 4096 else 0)  # at most the partial last block
+    assert sink.read_bytes() == source.read_bytes()
+
+
+def test_without_direct_io_the_uncached_copy_says_so_having_written_nothing(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct_io(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", no_direct_io)
+    source, sink = tmp_path / "model.bin", tmp_path / "copy.bin"
+    source.write_bytes(os.urandom(10_000))
+    with open(source, "rb") as reader, open(sink, "xb") as writer:
+        assert local._copy_uncached(reader.fileno(), writer.fileno(), sink) is None
+    assert sink.read_bytes() == b""
+    store = LocalStore(tmp_path / "store")  # a prestaged copy then goes through the cache
+    digest, version = digest_of(source), file_version(source)
+    store.prestage(f"models/{digest}", source, version, uncached=True)
+    assert store.put_version(f"models/{digest}", source, digest, version).sha256 == digest
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+
+
+def test_an_uncached_copy_taken_names_the_file_it_was_copied_from(store, source):
+    """The runner reads the user's file (in memory: it was just hashed) in place of the copy,
+    at the version it was copied at; a copy through the cache names nothing."""
+    digest, version = digest_of(source), file_version(source)
+    store.prestage_unnamed("models", source, version, uncached=True)
+    store.prestage(f"models/{digest}", source, version)
+    store.put_version(f"models/{digest}", source, digest, version)
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+    assert store.copied_from(f"models/{digest}") == (source, version)
+    other = source.with_name("other.bin")
+    other.write_bytes(b"other weights")
+    other_digest, other_version = digest_of(other), file_version(other)
+    store.prestage(f"models/{other_digest}", other, other_version)
+    store.put_version(f"models/{other_digest}", other, other_digest, other_version)
+    assert store.copied_from(f"models/{other_digest}") is None

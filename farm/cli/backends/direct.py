@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.clock import now
-from farm.core.errors import KeyFileError, NotFound
+from farm.core.errors import FarmError, KeyFileError, NotFound
 from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.server import pagination
 from farm.server.context import FarmContext
@@ -594,22 +594,31 @@ def _pages(
     return rows
 
 
-def prestage_model(settings: Settings, ref: ModelRef) -> None:
+def prestage_model(settings: Settings, ref: ModelRef, compiled_as_is: bool = False) -> None:
     """The embedded farm: start copying the model's files into its store now, on threads,
     while the command goes on (`LocalStore.prestage`); the submit's `put_version` takes the
-    copies, `discard_prestaged` deletes those it did not."""
+    copies, `discard_prestaged` deletes those it did not. `compiled_as_is`: the job's compile
+    child reads these files (no stage first): where it may read them in place, their copies
+    are written around the page cache."""
     from farm.server.storage import model_storage_key
 
     store = _local_store(settings)
     if store is not None:
         with _discarded_on_error():
             for role, version in ref.versions.items():
-                store.prestage(model_storage_key(ref.identity[role]), ref.files[role], version)
+                path = ref.files[role]
+                store.prestage(
+                    model_storage_key(ref.identity[role]),
+                    path,
+                    version,
+                    uncached=compiled_as_is and _compiled_in_place(settings, path),
+                )
 
 
-def prestage_unhashed(settings: Settings, files: list[Path]) -> None:
+def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: bool = False) -> None:
     """The embedded farm: start copying model files into its store while they are hashed,
-    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them)."""
+    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them).
+    `compiled_as_is`: as for `prestage_model`."""
     from farm.core.identity import file_version
     from farm.server.storage import MODELS_FOLDER
 
@@ -617,7 +626,25 @@ def prestage_unhashed(settings: Settings, files: list[Path]) -> None:
     if store is not None:
         with _discarded_on_error():
             for path in files:
-                store.prestage_unnamed(MODELS_FOLDER, path, file_version(path))
+                store.prestage_unnamed(
+                    MODELS_FOLDER,
+                    path,
+                    file_version(path),
+                    uncached=compiled_as_is and _compiled_in_place(settings, path),
+                )
+
+
+def _compiled_in_place(settings: Settings, path: Path) -> bool:
+    """Whether the job's compile child may read `path` where it is (then its copy in the
+    store is written around the page cache: the child reads the user's file, in memory)."""
+    from farm.server.jobs.compile_user import compile_identity
+    from farm.server.jobs.sandbox import readable_in_place
+
+    try:
+        identity = compile_identity(settings.compile_user, settings.compile_launcher)
+    except FarmError:  # the job says why it cannot compile
+        return False
+    return readable_in_place(Path(path), identity)
 
 
 def _local_store(settings: Settings) -> LocalStore | None:

@@ -41,6 +41,7 @@ from farm.core.errors import (
 )
 from farm.core.filecache import BlobCache
 from farm.core.hashing import sha256_file, sha256_stream
+from farm.core.identity import FileVersion
 from farm.core.signing import Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.core.vocabulary import JobState, ReferenceState
@@ -350,6 +351,7 @@ def _compile_and_store_steps(
                     compile_user=limits.compile_user,
                     compile_launcher=limits.compile_launcher,
                     should_stop=lease.should_stop,
+                    in_place=_copied_from(store, model_row),
                 )
         _check_blob_size(result.blob_path, max_blob_bytes)
         _check_toolchain(job, result.toolchain, spec.target)
@@ -505,6 +507,19 @@ def _fetch_model(
         local.parent.mkdir(parents=True, exist_ok=True)
         files[role] = _fetch_file(store, model_row.files[role], local, model_cache, role)
     return files
+
+
+def _copied_from(store: BlobStore, model_row: Model) -> dict[str, tuple[Path, FileVersion]]:
+    """The model's files where this process copied them from, by role, with the version
+    they had then (an embedded submit's store copy, made around the page cache)."""
+    if not isinstance(store, LocalPaths):
+        return {}
+    found = {}
+    for role, sha in model_row.files.items():
+        copied = store.copied_from(model_storage_key(sha))
+        if copied is not None:
+            found[role] = copied
+    return found
 
 
 def _fetch_inputs(

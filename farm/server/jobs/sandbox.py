@@ -69,6 +69,7 @@ from typing import IO, Any, NoReturn
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
+from farm.core.identity import FileVersion, file_version
 from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.runtime_import import skip_conversion_api
@@ -135,9 +136,16 @@ def compile_in_child(
     compile_user: str | None = None,
     compile_launcher: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    in_place: Mapping[str, tuple[Path, FileVersion]] | None = None,
 ):
     """Compile in a child process; returns (`CompileResult`, compiler output), the blob at
     ``out_dir/<blob_id>.blob``.
+
+    `in_place`: by role, a file with the same bytes as `files`' (the user's file that an
+    embedded submit copied into its store around the page cache) and the version it had then.
+    The child reads it where it is when it may (`readable_in_place`) and it still has that
+    version; when its version has changed by the end of the compile, the model is compiled
+    again from `files`.
 
     `memory_bytes` caps the child's address space (None: no cap); a compile that needs more
     fails with CompileError "... exceeded its memory limit of N bytes". `max_blob_bytes` caps
@@ -165,7 +173,25 @@ def compile_in_child(
         },
         timeout_seconds,
         should_stop,
+        in_place=in_place,
     ) as run:
+        if run.changed_in_place:
+            log.warning(
+                "%s changed while it was compiled; compiling the stored copy again",
+                ", ".join(map(str, run.changed_in_place)),
+            )
+            return compile_in_child(
+                files,
+                spec,
+                out_dir,
+                blob_id,
+                timeout_seconds=timeout_seconds,
+                memory_bytes=memory_bytes,
+                max_blob_bytes=max_blob_bytes,
+                compile_user=compile_user,
+                compile_launcher=compile_launcher,
+                should_stop=should_stop,
+            )
         output = _tail(run.log_path)
         if run.timed_out:
             raise _with_output(
@@ -504,6 +530,8 @@ class _ChildRun:
     result_path: Path
     returncode: int
     timed_out: bool
+    changed_in_place: list[Path]
+    """Files read in place whose version changed while the child ran (its work is void)."""
 
 
 @contextlib.contextmanager
@@ -517,13 +545,14 @@ def _child_in_box(
     should_stop: Callable[[], bool],
     extra_files: Mapping[str, Path | None] | None = None,
     names: Mapping[str, str] | None = None,
+    in_place: Mapping[str, tuple[Path, FileVersion]] | None = None,
 ) -> Iterator[_ChildRun]:
     """Stage the model's files (and `extra_files`, each passed to the child under its field
     name, None: not given) in a box of the child's own, write its request (`fields` and where
     everything is), run it to its end, and remove the box after the caller took what it
     wanted from it. Request, result and log sit beside `out_dir`, named after `name`.
     `names`: where each role's file goes in the box (a relative path; a model folder's layout);
-    default ``model.<role>``."""
+    default ``model.<role>``. `in_place`: see `compile_in_child`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     request = out_dir.parent / f"{name}.request.json"
     result_path = out_dir.parent / f"{name}.result.json"
@@ -532,10 +561,15 @@ def _child_in_box(
     waiting = _take_waiting(fields, identity)
     box = waiting.box if waiting is not None else _make_box(out_dir, identity)
     try:
-        staged = {
-            role: _stage(Path(path), _in_box(box, (names or {}).get(role), role), identity)
-            for role, path in files.items()
-        }
+        read_in_place = _readable_as_copied(in_place or {}, identity)
+        staged = {}
+        for role, path in files.items():
+            dest = _in_box(box, (names or {}).get(role), role)
+            if role in read_in_place:
+                dest.symlink_to(read_in_place[role][0].resolve())
+            else:
+                _stage(Path(path), dest, identity)
+            staged[role] = dest
         extras = {
             field: str(_stage(Path(path), box / f"{field}{Path(path).suffix}", identity))
             if path
@@ -567,7 +601,8 @@ def _child_in_box(
             returncode, timed_out = _run_child(
                 request, result_path, log_path, box, timeout_seconds, should_stop, identity
             )
-        yield _ChildRun(box, log_path, result_path, returncode, timed_out)
+        changed = [path for path, kept in read_in_place.values() if _version_now(path) != kept]
+        yield _ChildRun(box, log_path, result_path, returncode, timed_out, changed)
     finally:
         if waiting is not None:  # an error before its request: it never had one
             waiting.discard()
@@ -932,19 +967,72 @@ def _stage(source: Path, dest: Path, identity: ChildUser | None) -> Path:
         dest.symlink_to(source.absolute())
         return dest
     real = source.resolve()
-    info = real.stat()
-    shareable = (
-        info.st_uid != identity.uid  # the child could chmod a file it owns
-        and _allows(info, identity.uid, identity.gid, os.R_OK)
-        and not _allows(info, identity.uid, identity.gid, os.W_OK)
-    )
-    if shareable:
+    # A file of the child's own it could chmod; one it may write, it could change.
+    if _readable_only(real.stat(), identity.uid, identity.gid):
         with contextlib.suppress(OSError):  # another file system: copy
             os.link(real, dest)
             return dest
     shutil.copyfile(real, dest)
     dest.chmod(0o444)
     return dest
+
+
+def readable_in_place(path: Path, identity: ChildUser | None) -> bool:
+    """Whether a compile child of `identity` (None: this process's user) may read `path` where
+    it is, instead of a copy: a regular file it may read, on a path that only this process's
+    user and root can change. The file and every folder on its real path belong to one of
+    them; no other user may write the file, nor a folder unless it is sticky (as /tmp is: its
+    other users may move only their own entries). Another user's folder could put another
+    file in the model's place for the compile alone, unseen by the version checks; the file's
+    owner can still write it, and `compile_in_child` checks its version before and after."""
+    owners = {0, os.geteuid()}
+    try:
+        real = path.resolve(strict=True)
+        info = real.stat()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid not in owners or info.st_mode & 0o022:
+            return False
+        if identity is not None and not _readable_only(info, identity.uid, identity.gid):
+            return False
+        for folder in real.parents:
+            above = folder.stat()
+            if above.st_uid not in owners:
+                return False
+            if above.st_mode & 0o022 and not above.st_mode & stat.S_ISVTX:
+                return False
+            if identity is not None and not _allows(above, identity.uid, identity.gid, os.X_OK):
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _readable_as_copied(
+    in_place: Mapping[str, tuple[Path, FileVersion]], identity: ChildUser | None
+) -> Mapping[str, tuple[Path, FileVersion]]:
+    """`in_place` when the child may read every file in it where it is and each still has the
+    version it was copied at; else nothing (one model's files come from one place)."""
+    if all(
+        _version_now(path) == version and readable_in_place(path, identity)
+        for path, version in in_place.values()
+    ):
+        return in_place
+    return {}
+
+
+def _readable_only(info: os.stat_result, uid: int, gid: int) -> bool:
+    """Readable by `uid`/`gid`, which neither owns it nor may write it."""
+    return (
+        info.st_uid != uid
+        and _allows(info, uid, gid, os.R_OK)
+        and not _allows(info, uid, gid, os.W_OK)
+    )
+
+
+def _version_now(path: Path) -> FileVersion | None:
+    try:
+        return file_version(path)
+    except OSError:
+        return None
 
 
 def _may(path: Path, uid: int, gid: int, access: int, every_parent: bool = False) -> bool:

@@ -202,6 +202,11 @@ class LocalPaths(abc.ABC):
     def local_path(self, key: str) -> Path:
         """The object's own file (read it, never write it)."""
 
+    def copied_from(self, key: str) -> tuple[Path, FileVersion] | None:
+        """A file elsewhere that this process copied into `key` and reads instead, with the
+        version it had then (`LocalStore.prestage`); None for most objects."""
+        return None
+
 
 class AbortsStaleUploads(abc.ABC):
     """Multipart uploads can be left unfinished by a dead writer; the reconciler aborts them."""
