@@ -166,3 +166,45 @@ def test_a_cancelled_compile_ends_the_child_started_ahead_once(tmp_path, monkeyp
         )
     # Killed and collected once: a second kill would signal whoever has its pid now.
     assert killed == [pid] and gone(pid) and sandbox._WAITING == []
+
+
+def test_a_request_bigger_than_a_pipe_reaches_the_child_and_a_child_that_never_reads_is_ended(
+    tmp_path, monkeypatch
+):
+    """The request is written beside the watch: one bigger than the pipe holds (64 KiB) waits
+    for the child to read it, and a child stuck before reading it is ended by its time limit."""
+    files = model_files(models.save_ir(models.conv_net(), tmp_path / "m" / "conv.xml"))
+    identity = compile_identity()
+    fields = {
+        "target": "CPU",
+        "spec": CompileSpec.create(CPU).canonical(),
+        "blob_id": "k",
+        "memory_bytes": None,
+        "max_blob_bytes": None,
+        "padding": "x" * (1 << 20),  # unread by the child; 16 pipes' worth
+    }
+    sandbox.prestart_compile_child(CPU)
+    with sandbox._child_in_box(
+        files, tmp_path / "out", "k", identity, fields, 120, lambda: False
+    ) as run:
+        assert (run.returncode, run.timed_out) == (0, False)
+        assert (run.box / "k.blob").is_file()
+
+    monkeypatch.setattr(sandbox, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(sandbox, "_start_child", start_stuck_child)
+    sandbox.prestart_compile_child(CPU)
+    pid = waiting_child().child.pid
+    started = time.monotonic()
+    with sandbox._child_in_box(
+        files, tmp_path / "stuck", "k", identity, fields, 1.0, lambda: False
+    ) as run:
+        assert run.timed_out
+    assert time.monotonic() - started < 30
+    assert gone(pid)
+
+
+def start_stuck_child(box, identity, env, request, result, log, ahead_for=None):
+    """`_start_child` for a child stuck before it reads its request (a plugin that hangs as it
+    loads): it holds the pipe open and never reads."""
+    command = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    return subprocess.Popen(command, cwd=box, env=env, stdin=request, stdout=log, process_group=0)

@@ -754,16 +754,27 @@ class _WaitingChild:
     ) -> tuple[int, bool]:
         """Hand the child its request (the file `request`) and watch it as `_run_child` does;
         its result and output then at `result_path` and `log_path`."""
-        request_end, self._request = self._request, None  # closed below, whatever happens
+        request_end, self._request = self._request, None  # the writer closes it
         try:
             assert request_end is not None, "a waiting child runs one request"
             try:
-                with contextlib.suppress(BrokenPipeError), os.fdopen(request_end, "wb") as pipe:
-                    pipe.write(request.read_bytes())  # a child that died says how by its exit
+                payload = request.read_bytes()
             except BaseException:
+                os.close(request_end)
                 self._end()
                 raise
-            return _watch_child(self.child, self.identity, self.env, timeout_seconds, should_stop)
+            # On a thread: a request bigger than the pipe holds waits for the child to read it,
+            # and a child that never does is then ended by the watch (its limits, a cancel).
+            writer = threading.Thread(
+                target=_write_request, args=(request_end, payload), name="farm-request"
+            )
+            writer.start()
+            try:
+                return _watch_child(
+                    self.child, self.identity, self.env, timeout_seconds, should_stop
+                )
+            finally:
+                writer.join()  # the child has ended: the write is done or broken
         finally:
             for unnamed, path in ((self._result, result_path), (self._log, log_path)):
                 unnamed.seek(0)
@@ -789,6 +800,13 @@ class _WaitingChild:
         for unnamed in (getattr(self, "_result", None), getattr(self, "_log", None)):
             if unnamed is not None:
                 unnamed.close()
+
+
+def _write_request(pipe: int, payload: bytes) -> None:
+    """Write a waiting child's request and close the pipe (its end of input). A child that
+    died says how by its exit, not here."""
+    with contextlib.suppress(OSError), os.fdopen(pipe, "wb") as request:
+        request.write(payload)
 
 
 _WAITING: list[_WaitingChild] = []
