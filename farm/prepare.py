@@ -49,7 +49,11 @@ def _refuse_dtd(xml: Path) -> None:
     but refusing DTDs keeps entity tricks (XXE, billion laughs) out of every tool that may read
     a stored model later."""
     overlap = b""
-    with open(xml, "rb") as stream:
+    try:
+        stream = open(xml, "rb")  # noqa: SIM115 (closed below)
+    except OSError as error:  # not a model error of the file's own, but the job's all the same
+        raise ModelError(f"cannot read model {xml}: {error.strerror}") from error
+    with stream:
         while chunk := stream.read(1 << 20):
             window = overlap + chunk
             if b"<!DOCTYPE" in window or b"<!ENTITY" in window:

@@ -29,10 +29,15 @@ model's weights, so its size tells which one the child compiled."""
 def users_model():
     """The user's model, in a folder every user may enter (the compile user reads it there)."""
     folder = Path(tempfile.mkdtemp(prefix="farm-user-model-"))
-    folder.chmod(0o755)
-    xml = models.save_ir(models.conv_net(channels=USERS_CHANNELS), folder / "model.xml")
-    yield {role: (path, file_version(path)) for role, path in model_files(xml).items()}
-    shutil.rmtree(folder)
+    try:
+        folder.chmod(0o755)
+        xml = models.save_ir(models.conv_net(channels=USERS_CHANNELS), folder / "model.xml")
+        files = model_files(xml)
+        if not sandbox.readable_in_place(files["bin"], sandbox.compile_identity()):
+            pytest.skip("the temporary folder is not open to the compile user here")
+        yield {role: (path, file_version(path)) for role, path in files.items()}
+    finally:
+        shutil.rmtree(folder)
 
 
 @pytest.fixture
@@ -57,9 +62,22 @@ def compiled_from(tmp_path, stored, in_place, should_stop=lambda: False) -> str:
 
 
 def test_the_child_reads_the_users_file_where_it_is(tmp_path, stored, users_model):
-    if not sandbox.readable_in_place(users_model["bin"][0], sandbox.compile_identity()):
-        pytest.skip("the temporary folder is not open to the compile user here")
     assert compiled_from(tmp_path, stored, users_model) == USERS
+
+
+def test_the_child_reads_the_real_file_a_link_led_to_when_it_was_checked(
+    tmp_path, stored, users_model
+):
+    """A link on the user's path is followed once: the check, the child's link and the
+    version taken after the compile all name the real file (another user's folder holding the
+    link could point it elsewhere between two looks)."""
+    real, version = users_model["bin"]
+    link = tmp_path / "latest.bin"
+    link.symlink_to(real)
+    resolved = sandbox._readable_as_copied(
+        {"bin": (link, version), "xml": users_model["xml"]}, sandbox.compile_identity()
+    )
+    assert resolved["bin"] == (real.resolve(), version)
 
 
 def test_a_file_changed_since_it_was_copied_is_not_read(tmp_path, stored, users_model):
@@ -69,7 +87,7 @@ def test_a_file_changed_since_it_was_copied_is_not_read(tmp_path, stored, users_
 
 
 def test_a_file_changed_during_the_compile_is_compiled_again_from_the_store(
-    tmp_path, stored, users_model, monkeypatch
+    tmp_path, stored, users_model, monkeypatch, caplog
 ):
     monkeypatch.setattr(sandbox, "POLL_SECONDS", 0.02)
     touched = []
@@ -82,4 +100,18 @@ def test_a_file_changed_during_the_compile_is_compiled_again_from_the_store(
 
     assert compiled_from(tmp_path, stored, users_model, touch_once) == STORED
     assert touched
-    assert not list((tmp_path / "out").glob("box-*")), "the first child's box is removed"
+    assert "changed while it was compiled: compiling the stored copy again" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a compile user other than the test's")
+def test_a_file_the_child_turns_out_unable_to_read_is_compiled_from_the_store(
+    tmp_path, stored, users_model, monkeypatch, caplog
+):
+    """The mode bits said yes; an ACL or a security module said no: the compile is not failed
+    for it, it reads the store's copy."""
+    for path, _ in users_model.values():
+        path.chmod(0o600)  # closed to the compile user, whatever the check below says
+    in_place = {role: (path, file_version(path)) for role, (path, _) in users_model.items()}
+    monkeypatch.setattr(sandbox, "readable_in_place", lambda path, identity: True)
+    assert compiled_from(tmp_path, stored, in_place) == STORED
+    assert "could not read" in caplog.text

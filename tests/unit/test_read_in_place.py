@@ -98,3 +98,14 @@ def test_a_link_is_judged_by_the_file_it_leads_to_and_only_a_regular_file_is_rea
     os.mkfifo(fifo, 0o644)
     assert not sandbox.readable_in_place(fifo, NOBODY)
     assert not sandbox.readable_in_place(open_folder / "missing.bin", NOBODY)
+
+
+def test_a_file_on_a_network_file_system_is_not_read_in_place(open_folder, monkeypatch):
+    """An NFS or CIFS client may show cached attributes while the bytes read are new: the
+    version checked before and after the compile would not see a write."""
+    model = model_in(open_folder)
+    assert sandbox._file_system_of(model) in sandbox.LOCAL_FILE_SYSTEMS
+    assert sandbox._file_system_of(Path("/proc/self")) == "proc"
+    monkeypatch.setattr(sandbox, "_file_system_of", lambda path: "nfs4")
+    assert not sandbox.readable_in_place(model, NOBODY)
+    assert not sandbox.readable_in_place(model, None)

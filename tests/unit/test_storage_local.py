@@ -346,3 +346,51 @@ def test_an_uncached_copy_taken_names_the_file_it_was_copied_from(store, source)
     store.prestage(f"models/{other_digest}", other, other_version)
     store.put_version(f"models/{other_digest}", other, other_digest, other_version)
     assert store.copied_from(f"models/{other_digest}") is None
+
+
+def test_direct_writes_refused_after_the_open_fall_back_to_a_cached_copy(tmp_path, monkeypatch):
+    """Some file systems open with O_DIRECT and refuse the writes (EINVAL): the prestaged copy
+    is then made through the cache, whole."""
+    if not direct_io_here(tmp_path):
+        pytest.skip("no direct I/O on this file system")
+    monkeypatch.setattr(local, "UNCACHED_PIECE_BYTES", 1 << 16)
+    direct: set[int] = set()
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def opening(path, flags, *args):
+        descriptor = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct.add(descriptor)
+        return descriptor
+
+    def writing(descriptor, data, offset):
+        if descriptor in direct and offset > 0:  # the first piece went; the second is refused
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(descriptor, data, offset)
+
+    monkeypatch.setattr(local.os, "open", opening)
+    monkeypatch.setattr(local.os, "pwrite", writing)
+    source = tmp_path / "model.bin"
+    source.write_bytes(os.urandom(300_000))
+    store = LocalStore(tmp_path / "store")
+    digest, version = digest_of(source), file_version(source)
+    store.prestage(f"models/{digest}", source, version, uncached=True)
+    assert store.put_version(f"models/{digest}", source, digest, version).sha256 == digest
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+    assert direct, "the copy tried direct I/O first"
+
+
+def test_an_uncached_copy_of_a_file_that_ends_early_fails_with_its_own_error(tmp_path, monkeypatch):
+    """A short read (the file truncated as it is copied) is the error raised, not the buffer's
+    release behind it."""
+    if not direct_io_here(tmp_path):
+        pytest.skip("no direct I/O on this file system")
+    source, sink = tmp_path / "model.bin", tmp_path / "copy.bin"
+    source.write_bytes(os.urandom(3 * 4096))
+    monkeypatch.setattr(local.os, "preadv", lambda descriptor, buffers, offset: 4096)
+    with (
+        open(source, "rb") as reader,
+        open(sink, "xb") as writer,
+        pytest.raises(StorageError, match="ended while it was copied"),
+    ):
+        local._copy_uncached(reader.fileno(), writer.fileno(), sink)

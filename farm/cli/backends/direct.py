@@ -604,15 +604,11 @@ def prestage_model(settings: Settings, ref: ModelRef, compiled_as_is: bool = Fal
 
     store = _local_store(settings)
     if store is not None:
+        uncached = compiled_as_is and _compiled_in_place(settings, list(ref.files.values()))
         with _discarded_on_error():
             for role, version in ref.versions.items():
-                path = ref.files[role]
-                store.prestage(
-                    model_storage_key(ref.identity[role]),
-                    path,
-                    version,
-                    uncached=compiled_as_is and _compiled_in_place(settings, path),
-                )
+                key = model_storage_key(ref.identity[role])
+                store.prestage(key, ref.files[role], version, uncached=uncached)
 
 
 def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: bool = False) -> None:
@@ -624,19 +620,17 @@ def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: boo
 
     store = _local_store(settings)
     if store is not None:
+        uncached = compiled_as_is and _compiled_in_place(settings, files)
         with _discarded_on_error():
             for path in files:
-                store.prestage_unnamed(
-                    MODELS_FOLDER,
-                    path,
-                    file_version(path),
-                    uncached=compiled_as_is and _compiled_in_place(settings, path),
-                )
+                version = file_version(path)
+                store.prestage_unnamed(MODELS_FOLDER, path, version, uncached=uncached)
 
 
-def _compiled_in_place(settings: Settings, path: Path) -> bool:
-    """Whether the job's compile child may read `path` where it is (then its copy in the
-    store is written around the page cache: the child reads the user's file, in memory)."""
+def _compiled_in_place(settings: Settings, paths: list[Path]) -> bool:
+    """Whether the job's compile child may read all of `paths` where they are (one model's
+    files are read in place all together or not at all): then their copies in the store are
+    written around the page cache, and the child reads the user's files, in memory."""
     from farm.server.jobs.compile_user import compile_identity
     from farm.server.jobs.sandbox import readable_in_place
 
@@ -644,7 +638,7 @@ def _compiled_in_place(settings: Settings, path: Path) -> bool:
         identity = compile_identity(settings.compile_user, settings.compile_launcher)
     except FarmError:  # the job says why it cannot compile
         return False
-    return readable_in_place(Path(path), identity)
+    return all(readable_in_place(Path(path), identity) for path in paths)
 
 
 def _local_store(settings: Settings) -> LocalStore | None:

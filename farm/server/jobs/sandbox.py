@@ -159,6 +159,7 @@ def compile_in_child(
     # OpenVINO stays out of the watching process: only the child loads it and compiles.
     from farm.server.jobs import compiler
 
+    started = time.monotonic()
     with _child_in_box(
         files,
         out_dir,
@@ -175,23 +176,6 @@ def compile_in_child(
         should_stop,
         in_place=in_place,
     ) as run:
-        if run.changed_in_place:
-            log.warning(
-                "%s changed while it was compiled; compiling the stored copy again",
-                ", ".join(map(str, run.changed_in_place)),
-            )
-            return compile_in_child(
-                files,
-                spec,
-                out_dir,
-                blob_id,
-                timeout_seconds=timeout_seconds,
-                memory_bytes=memory_bytes,
-                max_blob_bytes=max_blob_bytes,
-                compile_user=compile_user,
-                compile_launcher=compile_launcher,
-                should_stop=should_stop,
-            )
         output = _tail(run.log_path)
         if run.timed_out:
             raise _with_output(
@@ -202,18 +186,47 @@ def compile_in_child(
                 output,
             )
         result = _read_result(run.result_path)
-        if result is None:
-            death = _death(run.returncode, output, memory_bytes, max_blob_bytes)
-            raise _with_output(death, output)
-        if "error" in result:
-            error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
-            raise _with_output(error, output)
-        blob = _take_blob(run.box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
+        again = _compile_again(run, result)
+        if again is None:
+            if result is None:
+                death = _death(run.returncode, output, memory_bytes, max_blob_bytes)
+                raise _with_output(death, output)
+            if "error" in result:
+                error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
+                raise _with_output(error, output)
+            blob = _take_blob(run.box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
+    if again is not None:  # the first child's box is gone; the second has the time left
+        log.warning("%s: compiling the stored copy again", again)
+        return compile_in_child(
+            files,
+            spec,
+            out_dir,
+            blob_id,
+            timeout_seconds=max(1.0, timeout_seconds - (time.monotonic() - started)),
+            memory_bytes=memory_bytes,
+            max_blob_bytes=max_blob_bytes,
+            compile_user=compile_user,
+            compile_launcher=compile_launcher,
+            should_stop=should_stop,
+        )
+    assert result is not None
     # The child's word is taken for how it compiled, not for where or how big its blob is.
     result["blob_path"] = blob
     result["size_bytes"] = blob.stat().st_size
     result["toolchain"] = Toolchain(**result["toolchain"])
     return compiler.CompileResult(**result), output
+
+
+def _compile_again(run: _ChildRun, result: dict | None) -> str | None:
+    """Why a compile that read the user's files in place is void, or None: a file changed
+    while it ran, or the child could not read one where it is (an ACL or a security module
+    the mode bits do not show)."""
+    if run.changed_in_place:
+        return f"{', '.join(map(str, run.changed_in_place))} changed while it was compiled"
+    unread = result is not None and result.get("error") == errors.ModelError.code
+    if run.in_place and unread:
+        return f"the compile child could not read {', '.join(map(str, run.in_place))} in place"
+    return None
 
 
 def reference_in_child(
@@ -530,8 +543,10 @@ class _ChildRun:
     result_path: Path
     returncode: int
     timed_out: bool
+    in_place: list[Path]
+    """The user's files the child read where they are (`compile_in_child`'s `in_place`)."""
     changed_in_place: list[Path]
-    """Files read in place whose version changed while the child ran (its work is void)."""
+    """Those whose version changed while the child ran (its work is void)."""
 
 
 @contextlib.contextmanager
@@ -566,7 +581,7 @@ def _child_in_box(
         for role, path in files.items():
             dest = _in_box(box, (names or {}).get(role), role)
             if role in read_in_place:
-                dest.symlink_to(read_in_place[role][0].resolve())
+                dest.symlink_to(read_in_place[role][0])
             else:
                 _stage(Path(path), dest, identity)
             staged[role] = dest
@@ -602,7 +617,8 @@ def _child_in_box(
                 request, result_path, log_path, box, timeout_seconds, should_stop, identity
             )
         changed = [path for path, kept in read_in_place.values() if _version_now(path) != kept]
-        yield _ChildRun(box, log_path, result_path, returncode, timed_out, changed)
+        read = [path for path, _ in read_in_place.values()]
+        yield _ChildRun(box, log_path, result_path, returncode, timed_out, read, changed)
     finally:
         if waiting is not None:  # an error before its request: it never had one
             waiting.discard()
@@ -1006,6 +1022,8 @@ def readable_in_place(path: Path, identity: ChildUser | None) -> bool:
     owners = {0, os.geteuid()}
     try:
         real = path.resolve(strict=True)
+        if _file_system_of(real) not in LOCAL_FILE_SYSTEMS:
+            return False
         info = real.stat()
         if not stat.S_ISREG(info.st_mode) or info.st_uid not in owners or info.st_mode & 0o022:
             return False
@@ -1024,17 +1042,47 @@ def readable_in_place(path: Path, identity: ChildUser | None) -> bool:
     return True
 
 
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "overlay"}
+)
+"""Where a file's version (inode, size, mtime, ctime) is the kernel's own, seen at once: not
+a network file system, whose attributes a client may cache while the data it reads is new."""
+
+
+def _file_system_of(path: Path) -> str | None:
+    """The type of the file system `path` (a real path) lies on, from /proc/self/mounts."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    found, longest = None, -1
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ").replace("\\011", "\t")
+        if Path(path).is_relative_to(point) and len(point) >= longest:  # the last mount wins
+            found, longest = fields[2], len(point)
+    return found
+
+
 def _readable_as_copied(
     in_place: Mapping[str, tuple[Path, FileVersion]], identity: ChildUser | None
-) -> Mapping[str, tuple[Path, FileVersion]]:
-    """`in_place` when the child may read every file in it where it is and each still has the
-    version it was copied at; else nothing (one model's files come from one place)."""
-    if all(
-        _version_now(path) == version and readable_in_place(path, identity)
-        for path, version in in_place.values()
-    ):
-        return in_place
-    return {}
+) -> dict[str, tuple[Path, FileVersion]]:
+    """`in_place` with each path resolved, once, to the real path the child reads, checked and
+    versioned again (a link in another user's folder could point elsewhere at each look):
+    when the child may read every file where it is and each still has the version it was
+    copied at; else nothing (one model's files come from one place)."""
+    found = {}
+    for role, (path, version) in in_place.items():
+        try:
+            real = path.resolve(strict=True)
+        except OSError:
+            return {}
+        if _version_now(real) != version or not readable_in_place(real, identity):
+            return {}
+        found[role] = (real, version)
+    return found
 
 
 def _readable_only(info: os.stat_result, uid: int, gid: int) -> bool:

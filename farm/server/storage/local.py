@@ -486,56 +486,44 @@ def _copy_uncached(
 ) -> int | None:
     """Copy the whole file `source` into the empty file `sink` (open, at `sink_path`) with
     direct I/O (O_DIRECT): the copy's bytes go to the disk without a page of cache, the last
-    partial block through `sink`. Returns the bytes copied, or None, having written nothing,
-    where the file system takes no direct I/O (tmpfs; the caller copies through the cache).
-    `stop`: set, the copy ends early."""
+    partial block through `sink`. Returns the bytes copied, or None where the file system
+    takes no direct I/O (tmpfs, some FUSE mounts): the caller copies the whole file through
+    the cache instead. `stop`: set, the copy ends early. A source that ends early fails it."""
     try:
         direct = os.open(sink_path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as error:
         if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
         raise
-    size = os.fstat(source).st_size
-    whole_blocks = size - size % DIRECT_IO_BLOCK
     copied = 0
     try:
+        size = os.fstat(source).st_size
+        whole_blocks = size - size % DIRECT_IO_BLOCK
         with mmap.mmap(-1, UNCACHED_PIECE_BYTES) as buffer:  # page-aligned, as O_DIRECT needs
-            view = memoryview(buffer)
-            try:
-                while copied < whole_blocks:
-                    count = min(UNCACHED_PIECE_BYTES, whole_blocks - copied)
-                    _read_into(source, view[:count], copied)
+            while copied < whole_blocks:
+                count = min(UNCACHED_PIECE_BYTES, whole_blocks - copied)
+                with memoryview(buffer)[:count] as piece:  # released before the map closes
+                    if os.preadv(source, [piece], copied) != count:
+                        raise StorageError("the file ended while it was copied into the store")
                     try:
-                        _write_from(direct, view[:count], copied)
-                    except OSError as error:  # direct I/O refused after all (some FUSE mounts)
-                        if copied or error.errno != errno.EINVAL:
-                            raise
-                        return None
-                    copied += count
-                    if stop is not None and stop.is_set():
-                        return copied
-            finally:
-                view.release()
+                        written = os.pwrite(direct, piece, copied)
+                    except OSError as error:  # direct writes refused after all
+                        if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                            return None
+                        raise
+                if written != count:
+                    raise StorageError(f"the store's disk took {written} of {count} bytes")
+                copied += count
+                if stop is not None and stop.is_set():
+                    return copied
     finally:
         os.close(direct)
-    if copied < size:
-        _write_from(sink, os.pread(source, size - copied, copied), copied)
+    tail = os.pread(source, size - copied, copied)
+    if len(tail) != size - copied:
+        raise StorageError("the file ended while it was copied into the store")
+    if tail:
+        os.pwrite(sink, tail, copied)
     return size
-
-
-def _read_into(descriptor: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        count = os.preadv(descriptor, [view], offset)
-        if count == 0:
-            raise StorageError("the file ended while it was being copied into the store")
-        view, offset = view[count:], offset + count
-
-
-def _write_from(descriptor: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while len(view):
-        count = os.pwrite(descriptor, view, offset)
-        view, offset = view[count:], offset + count
 
 
 def _owned_alone(info: os.stat_result) -> bool:
