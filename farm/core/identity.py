@@ -25,6 +25,14 @@ def file_version(path: Path) -> FileVersion:
     return version_of(os.stat(path))
 
 
+def version_now(path: Path) -> FileVersion | None:
+    """`file_version`, or None for a file gone or unreadable."""
+    try:
+        return file_version(path)
+    except OSError:
+        return None
+
+
 def version_of(info: os.stat_result) -> FileVersion:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 

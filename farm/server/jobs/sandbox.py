@@ -69,7 +69,7 @@ from typing import IO, Any, NoReturn
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
-from farm.core.identity import FileVersion, file_version
+from farm.core.identity import FileVersion, version_now
 from farm.core.sources import layout
 from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.runtime_import import skip_conversion_api
@@ -616,7 +616,7 @@ def _child_in_box(
             returncode, timed_out = _run_child(
                 request, result_path, log_path, box, timeout_seconds, should_stop, identity
             )
-        changed = [path for path, kept in read_in_place.values() if _version_now(path) != kept]
+        changed = [path for path, kept in read_in_place.values() if version_now(path) != kept]
         read = [path for path, _ in read_in_place.values()]
         yield _ChildRun(box, log_path, result_path, returncode, timed_out, read, changed)
     finally:
@@ -1079,7 +1079,7 @@ def _readable_as_copied(
             real = path.resolve(strict=True)
         except OSError:
             return {}
-        if _version_now(real) != version or not readable_in_place(real, identity):
+        if version_now(real) != version or not readable_in_place(real, identity):
             return {}
         found[role] = (real, version)
     return found
@@ -1092,13 +1092,6 @@ def _readable_only(info: os.stat_result, uid: int, gid: int) -> bool:
         and _allows(info, uid, gid, os.R_OK)
         and not _allows(info, uid, gid, os.W_OK)
     )
-
-
-def _version_now(path: Path) -> FileVersion | None:
-    try:
-        return file_version(path)
-    except OSError:
-        return None
 
 
 def _may(path: Path, uid: int, gid: int, access: int, every_parent: bool = False) -> bool:

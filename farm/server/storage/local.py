@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.hashing import sha256_file, sha256_stream
-from farm.core.identity import FileVersion, file_version, version_of
+from farm.core.identity import FileVersion, version_now, version_of
 from farm.server.storage import (
     BlobStore,
     ListsObjects,
@@ -286,7 +286,7 @@ class _Prestaged:
                 return None
             # The source as it is now too: a file written after the copy was hashed anew,
             # and its digest is not this copy's.
-            if not self.version == self.after == version == _version_now(self.source):
+            if not self.version == self.after == version == version_now(self.source):
                 return None
             os.replace(self.temporary, target)
             if self.uncached:
@@ -299,13 +299,6 @@ class _Prestaged:
         self.stop.set()
         self.thread.join()
         self.temporary.unlink(missing_ok=True)
-
-
-def _version_now(path: Path) -> FileVersion | None:
-    try:
-        return file_version(path)
-    except OSError:
-        return None
 
 
 _PRESTAGED: dict[str, _Prestaged] = {}
