@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import click
@@ -24,7 +23,12 @@ from rich.text import Text
 import farm.cli as cli_package
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
-from farm.cli.backends.ahead import prestart_compile
+from farm.cli.backends.ahead import (
+    discard_prestaged,
+    prestage_model,
+    prestage_unhashed,
+    prestart_compile,
+)
 from farm.cli.common import (
     EXIT_CODES,
     EXIT_JOB_FAILED,
@@ -211,7 +215,7 @@ def submit(
                 # store start beside the hash
                 if compiled_as_is:
                     staged = prestart_compile(get_settings(), specs[0].target)
-                staged = _prestage_unhashed(ahead.files, compiled_as_is) or staged
+                staged = prestage_unhashed(get_settings(), ahead.files, compiled_as_is) or staged
             # OpenVINO loads only here (the listing commands start without it), beside the hash.
             from farm import prepare, toolchain
 
@@ -230,7 +234,7 @@ def submit(
         finally:
             if ahead:
                 ahead.close()
-        staged = _prestage(ref, compiled_as_is) or staged
+        staged = prestage_model(get_settings(), ref, compiled_as_is) or staged
         if not source.needs_conversion:  # a source is checked on the worker, once converted
             for spec in specs:
                 prepare.check_model(ref.files, spec)
@@ -270,7 +274,7 @@ def submit(
         worst = max(map(_exit_code_of, results))
     finally:
         if staged:
-            _discard_prestaged()
+            discard_prestaged()
     if worst:
         sys.exit(worst)
     if cli_package.whole_process and getattr(farm, "embedded", False):
@@ -288,45 +292,6 @@ def _load_what_submit_needs() -> None:
         from farm.cli.backends.direct import preload_submit
 
         preload_submit()
-
-
-def _prestage(ref: ModelRef, compiled_as_is: bool) -> bool:
-    """The embedded farm: start storing the model's files now, beside the command's next steps
-    (`backends.direct.prestage_model`); whether it did. `compiled_as_is`: the job's compile
-    child reads them (no stage converts or compresses them first)."""
-    direct = _embedded_backend()
-    if direct is not None:
-        direct.prestage_model(get_settings(), ref, compiled_as_is)
-    return direct is not None
-
-
-def _prestage_unhashed(files: list[Path], compiled_as_is: bool) -> bool:
-    """The embedded farm: start storing model files while they are hashed, before their keys
-    are known (`backends.direct.prestage_unhashed`; `_prestage` names the copies); whether it
-    did."""
-    direct = _embedded_backend()
-    if direct is not None:
-        direct.prestage_unhashed(get_settings(), files, compiled_as_is)
-    return direct is not None
-
-
-def _embedded_backend() -> ModuleType | None:
-    """`farm.cli.backends.direct` when this submit runs the embedded farm; None when it is
-    served, or without farm[embedded] (`backend()` says so, as it did)."""
-    settings = get_settings()
-    if settings.api_url or settings.served:
-        return None
-    try:
-        from farm.cli.backends import direct
-    except ModuleNotFoundError:
-        return None
-    return direct
-
-
-def _discard_prestaged() -> None:
-    from farm.cli.backends.direct import discard_prestaged
-
-    discard_prestaged()
 
 
 def _end_now(farm_backend: Any) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from farm.cli.backends import Advance, SubmitProgress
 from farm.core.clock import now
-from farm.core.errors import FarmError, KeyFileError, NotFound
+from farm.core.errors import KeyFileError, NotFound
 from farm.core.keyprefix import CANDIDATES_SHOWN
 from farm.server import pagination
 from farm.server.context import FarmContext
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from farm.server.blobs import gc, resign
     from farm.server.db.models import ApiToken
     from farm.server.jobs.dispatch import Dispatcher
-    from farm.server.storage.local import LocalStore
 
 
 class Direct:
@@ -594,91 +593,10 @@ def _pages(
     return rows
 
 
-def prestage_model(settings: Settings, ref: ModelRef, compiled_as_is: bool = False) -> None:
-    """The embedded farm: start copying the model's files into its store now, on threads,
-    while the command goes on (`LocalStore.prestage`); the submit's `put_version` takes the
-    copies, `discard_prestaged` deletes those it did not. `compiled_as_is`: the job's compile
-    child reads these files (no stage first): where it may read them in place, their copies
-    are written around the page cache."""
-    from farm.server.storage import model_storage_key
-
-    store = _local_store(settings)
-    if store is not None:
-        uncached = compiled_as_is and _compiled_in_place(settings, list(ref.files.values()))
-        with _discarded_on_error():
-            for role, version in ref.versions.items():
-                key = model_storage_key(ref.identity[role])
-                store.prestage(key, ref.files[role], version, uncached=uncached)
-
-
-def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: bool = False) -> None:
-    """The embedded farm: start copying model files into its store while they are hashed,
-    before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them).
-    `compiled_as_is`: as for `prestage_model`."""
-    from farm.core.identity import file_version
-    from farm.server.storage import MODELS_FOLDER
-
-    store = _local_store(settings)
-    if store is not None:
-        uncached = compiled_as_is and _compiled_in_place(settings, files)
-        with _discarded_on_error():
-            for path in files:
-                version = file_version(path)
-                store.prestage_unnamed(MODELS_FOLDER, path, version, uncached=uncached)
-
-
-def _compiled_in_place(settings: Settings, paths: list[Path]) -> bool:
-    """Whether the job's compile child may read all of `paths` where they are (one model's
-    files are read in place all together or not at all): then their copies in the store are
-    written around the page cache, and the child reads the user's files, in memory."""
-    from farm.server.jobs.compile_user import compile_identity
-    from farm.server.jobs.sandbox import readable_in_place
-
-    try:
-        identity = compile_identity(settings.compile_user, settings.compile_launcher)
-    except FarmError:  # the job says why it cannot compile
-        return False
-    return all(readable_in_place(Path(path), identity) for path in paths)
-
-
-def _local_store(settings: Settings) -> LocalStore | None:
-    """The embedded farm's store when it is a local folder (the store copies can go to)."""
-    if settings.api_url or settings.served:
-        return None
-    from farm.server.storage import open_store
-    from farm.server.storage.local import LocalStore
-
-    store = open_store(settings.resolved_storage_url, settings)
-    return store if isinstance(store, LocalStore) else None
-
-
-@contextlib.contextmanager
-def _discarded_on_error() -> Iterator[None]:
-    """Copies started before an error (a file gone, an interrupt) are deleted: the caller
-    learns of none of them."""
-    try:
-        yield
-    except BaseException:
-        discard_prestaged()
-        raise
-
-
 def preload_submit() -> None:
     """Import what the embedded `farm submit` runs next (its job service and runner), ahead of
     the call (`farm.cli.hash_ahead`: beside the model's hash)."""
     from farm.server.jobs import runner, service  # noqa: F401
-
-
-def discard_prestaged() -> None:
-    """Stop and delete the model copies `prestage_model` started that the submit did not take,
-    and end a compile child started ahead that no job took (`sandbox.prestart_compile_child`)."""
-    from farm.server.jobs.sandbox import discard_prestarted
-    from farm.server.storage.local import discard_prestaged
-
-    try:
-        discard_prestaged()
-    finally:
-        discard_prestarted()
 
 
 def upgrade_schema(settings: Settings) -> str | None:
