@@ -150,3 +150,27 @@ def test_a_plain_http_api_reads_no_ca_bundle_and_its_context_fails_closed():
     assert isinstance(context, ssl.SSLContext)
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
     assert context.get_ca_certs() == []
+
+
+def test_a_submit_through_the_api_loads_nothing_of_the_server(tmp_path):
+    """The whole `farm submit` process (its hash forked ahead, the early starts an embedded
+    farm makes beside it) through the API: an HTTP client, whatever it does before the
+    request (the API here answers nothing)."""
+    from tests import models
+
+    xml = models.save_ir(models.conv_net(), tmp_path / "model" / "conv.xml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    env.update(FARM_HOME=str(tmp_path), FARM_API_URL="http://127.0.0.1:9", FARM_TOKEN="farm_x")
+    probe = (
+        "import atexit, json, sys\n"
+        "watched = ('sqlalchemy', 'farm.server', 'farm.cli.backends.direct')\n"
+        "atexit.register(lambda: print(json.dumps([m for m in watched if m in sys.modules])))\n"
+        "sys.argv = ['farm', 'submit', sys.argv[1], '--device', 'CPU', '--json']\n"
+        "from farm.cli import main\n"
+        "main()\n"  # the `farm` process itself: its hash is forked ahead
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(xml)], env=env, capture_output=True, text=True
+    )
+    assert "unreachable" in done.stdout + done.stderr, done.stdout + done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -28,8 +28,9 @@ def test_copies_started_before_a_file_went_missing_are_deleted(tmp_path):
 
 def test_the_early_copy_starts_without_the_database_libraries(tmp_path):
     """The copy of a new model is the longest thing the submit waits for before its compile:
-    it starts beside the hash, before `farm.cli.backends.direct` (SQLAlchemy, the job service)
-    is loaded (bench/README.md "submit_overhead: the seventh pass")."""
+    it starts beside the hash, with the compile child, before `farm.cli.backends.direct`
+    (SQLAlchemy, the job service) is loaded, and loads neither that nor OpenVINO in this
+    process (bench/README.md "submit_overhead: the seventh pass")."""
     model = tmp_path / "model.xml"
     model.write_bytes(b"<net/>" * 1000)
     script = f"""
@@ -38,10 +39,14 @@ from pathlib import Path
 from farm.cli.backends import ahead
 from farm.core.config import Settings
 from farm.server.storage import local
+from farm.core.spec import Target
+from farm.server.jobs import sandbox
 settings = Settings(home=Path({str(tmp_path / "farm")!r}))
+assert ahead.prestart_compile(settings, Target.parse("CPU"))
 assert ahead.prestage_unhashed(settings, [Path({str(model)!r})], compiled_as_is=True)
 assert list(local._PRESTAGED) == [{str(model)!r}]
 ahead.discard_prestaged()
+assert not sandbox._WAITING and not local._PRESTAGED
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("sqlalchemy", "openvino")
              or m in ("farm.cli.backends.direct", "farm.server.jobs.service")))
 """

@@ -4,7 +4,9 @@ and answer in the same dicts (`farm.server.views` shapes them, and the API retur
 each command prints one way whatever the mode.
 
 `farm.cli` reaches `farm.server` only through `backends.direct` (an import contract), and
-imports it only when no API is configured: an edge install has no SQLAlchemy.
+imports it only when no API is configured: an edge install has no SQLAlchemy. The one other
+door is `backends.ahead`: what an embedded `farm submit` starts beside the hash, before
+`backends.direct` loads (the compile child, the model's store copies; no SQLAlchemy).
 """
 
 from __future__ import annotations
