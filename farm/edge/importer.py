@@ -9,6 +9,7 @@ import mmap
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,9 +33,9 @@ DROP_BEHIND_SECONDS = 0.01
 class ImportedBlob:
     """A compiled model imported from a blob file, and the memory map it still reads from.
 
-    Note: OpenVINO keeps pointing into the mapped file after `import_model`; dropping
-    `mapping` while `compiled` is alive crashes the process. Keep this object, not just
-    `compiled`.
+    OpenVINO may keep reading the mapped file after `import_model` (the CPU plugin on some
+    processors runs weights in place): the map lives as long as `compiled` does, whether or
+    not this object is kept (`import_blob`).
     """
 
     compiled: ov.CompiledModel
@@ -91,7 +92,15 @@ def import_blob(
         properties = {"CACHE_MODE": "OPTIMIZE_SIZE", "WEIGHTS_PATH": str(weights_path)}
     with _DropBehind(whole):
         compiled = ov.Core().import_model(tensor, device, properties)
+    # A caller that keeps only the compiled model must not lose the memory it runs from:
+    # unmapped under it, its next inference crashed the process (AMD EPYC, OpenVINO 2026.4).
+    weakref.finalize(compiled, _unmapped, mapping)
     return ImportedBlob(compiled, mapping, time.perf_counter() - started, lease)
+
+
+def _unmapped(mapping: np.ndarray) -> None:
+    """Called once the compiled model that read `mapping` is gone: the last reference to the
+    map then goes with this call, and the map with it."""
 
 
 class _DropBehind:

@@ -72,6 +72,28 @@ def test_imported_blob_computes_what_the_model_computes(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_the_blobs_map_lives_as_long_as_the_compiled_model_whoever_keeps_it(tmp_path):
+    """OpenVINO may run weights in place from the imported map: a caller keeping only
+    `.compiled` once crashed the process at its next inference (tests/integration/
+    test_sources.py, on AMD EPYC). The map now goes only with the compiled model."""
+    import gc
+    import weakref
+
+    model = models.conv_net(seed=4)
+    result = compile_cpu(tmp_path, ir(tmp_path, model))
+    data = np.random.default_rng(2).random((1, 3, 32, 32), dtype=np.float32)
+    imported = import_blob(result.blob_path, "CPU")
+    compiled, mapping = imported.compiled, weakref.ref(imported.mapping)
+    del imported
+    gc.collect()
+    assert mapping() is not None  # still mapped: the compiled model may read it
+    expected = ov.Core().compile_model(model, "CPU")(data)[0]
+    np.testing.assert_allclose(compiled(data)[0], expected, rtol=1e-4, atol=1e-5)
+    del compiled
+    gc.collect()
+    assert mapping() is None  # and released with it
+
+
 def test_weightless_blob_is_small_and_imports_with_the_models_bin(tmp_path):
     files = ir(tmp_path, models.transformer_block(width=64))
     full = compile_cpu(tmp_path, files)
