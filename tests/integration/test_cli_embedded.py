@@ -57,16 +57,19 @@ def row_count(farm_home: Path, table: str) -> int:
 
 
 def compile_children_started_ahead() -> list[int]:
-    """Running compile children started ahead of a job (their command names the target)."""
+    """Running compile children started ahead of a job (their command names the target) that
+    outlived their `farm` command. Those of a command still running (another test's, on the
+    other test process) are not counted: it may still take or end them."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            parent_command = Path("/proc", parent, "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
         ahead = b"farm.server.jobs.sandbox" in command and command[-2:] == [b"CPU", b""]
-        if ahead and state not in ("Z", "X"):
+        if ahead and state not in ("Z", "X") and b"farm" not in parent_command:
             found.append(int(entry.name))
     return found
 
