@@ -51,13 +51,11 @@ def prestage_model(settings: Settings, ref: ModelRef, compiled_as_is: bool = Fal
     copies, `discard_prestaged` deletes those it did not. `compiled_as_is`: the job's compile
     child reads these files (no stage first): where it may read them in place, their copies
     are written around the page cache. Whether it started them."""
-    if not embedded_here(settings):  # through an API: nothing of the server side loads
-        return False
-    from farm.server.storage import model_storage_key
-
     store = _local_store(settings)
     if store is None:
         return False
+    from farm.server.storage import model_storage_key
+
     uncached = compiled_as_is and _compiled_in_place(settings, list(ref.files.values()))
     with _discarded_on_error():
         for role, version in ref.versions.items():
@@ -70,14 +68,12 @@ def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: boo
     """The embedded farm: start copying model files into its store while they are hashed,
     before their keys are known (`LocalStore.prestage_unnamed`; `prestage_model` names them).
     `compiled_as_is`: as for `prestage_model`. Whether it started them."""
-    if not embedded_here(settings):  # through an API: nothing of the server side loads
+    store = _local_store(settings)
+    if store is None:
         return False
     from farm.core.identity import file_version
     from farm.server.storage import MODELS_FOLDER
 
-    store = _local_store(settings)
-    if store is None:
-        return False
     uncached = compiled_as_is and _compiled_in_place(settings, files)
     with _discarded_on_error():
         for path in files:
@@ -113,7 +109,10 @@ def _compiled_in_place(settings: Settings, paths: list[Path]) -> bool:
 
 
 def _local_store(settings: Settings) -> LocalStore | None:
-    """The embedded farm's store when it is a local folder (the store copies can go to)."""
+    """The embedded farm's store when it is a local folder (the store copies can go to);
+    None elsewhere, having loaded nothing of the server side when the farm is not embedded."""
+    if not embedded_here(settings):
+        return None
     from farm.server.storage import open_store
     from farm.server.storage.local import LocalStore
 
