@@ -166,6 +166,10 @@ class SettingsFields:
     presign_seconds: int = 900
     """Longest lifetime of a presigned download URL; never past the expiry of the token that
     asked for it."""
+    blob_part_bytes: int = 64 << 20
+    """The size of the parts a worker hashes each blob into, after its job is recorded, for a
+    store that is not on its disk (S3): an edge downloads them on several connections and
+    checks each as it arrives. At least 1 MiB (smaller: 1 MiB)."""
     dashboard_session_seconds: int = 8 * 3600
     """Lifetime of a dashboard session (its cookie holds a session id, never the token); never
     past the token's own expiry."""

@@ -45,6 +45,16 @@ MANIFEST_DOMAIN = b"farm-blob-manifest-v2\n"
 REFERENCE_DOMAIN = b"farm-blob-reference-v1\n"
 """Prefix of a reference signature's bytes: never readable as a manifest, or the reverse."""
 
+PARTS_DOMAIN = b"farm-blob-parts-v1\n"
+"""Prefix of a part digests signature's bytes: readable as no other signed message."""
+
+PART_BYTES = 64 << 20
+"""The size of a blob's parts (the last one shorter): an edge downloads them on several
+connections and checks each on the thread that receives it (`Parts`)."""
+
+MIN_PART_BYTES = 1 << 20
+"""The smallest part size an edge accepts: a record cannot make it send a request per byte."""
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -157,6 +167,61 @@ def reference_message(
     )
 
 
+@dataclass(frozen=True)
+class Parts:
+    """The sha256 of each `part_bytes` piece of a blob (the last one shorter), signed by the
+    worker after it recorded the blob, beside its manifest: an edge that verified them checks
+    each part as it arrives, on the connection that brings it, instead of one sha256 over the
+    whole file after (bench/README.md "edge"). A signature of its own, like the reference's,
+    so the manifests that edges of every version check stay as they were."""
+
+    part_bytes: int
+    sha256s: tuple[str, ...]
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any]) -> Parts | None:
+        """The parts a blob record lists, if it lists well-formed ones for its size (None:
+        none, or malformed: the edge then checks the whole file's sha256)."""
+        part_bytes, sha256s, size = (
+            record.get("part_bytes"),
+            record.get("part_sha256s"),
+            record.get("size_bytes"),
+        )
+        if not (_count(part_bytes) and _count(size) and isinstance(sha256s, list | tuple)):
+            return None
+        assert isinstance(part_bytes, int) and isinstance(size, int)
+        if part_bytes < MIN_PART_BYTES or len(sha256s) != part_count(size, part_bytes):
+            return None
+        if not all(map(_hex64, sha256s)):
+            return None
+        return cls(part_bytes, tuple(sha256s))
+
+    def spans(self, size: int) -> list[tuple[int, int]]:
+        """(offset, length) of each part of a blob of `size` bytes."""
+        return [
+            (offset, min(self.part_bytes, size - offset))
+            for offset in range(0, size, self.part_bytes)
+        ]
+
+
+def part_count(size: int, part_bytes: int) -> int:
+    return -(-size // part_bytes)
+
+
+def parts_message(cache_key: str, blob_sha256: str, size_bytes: int, parts: Parts) -> bytes:
+    """What a part digests signature covers: the parts, bound to the blob (its key, the sha256
+    of its bytes and their number)."""
+    return PARTS_DOMAIN + canonical_json(
+        {
+            "cache_key": cache_key,
+            "sha256": blob_sha256,
+            "size_bytes": size_bytes,
+            "part_bytes": parts.part_bytes,
+            "part_sha256s": list(parts.sha256s),
+        }
+    )
+
+
 def key_id(public: Ed25519PublicKey) -> str:
     """A short, stable name of a public key: sha256 of its raw bytes, 16 hex characters."""
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -192,6 +257,11 @@ class Signer:
     ) -> str:
         """The signature (base64) binding a reference file to its blob."""
         signed = reference_message(cache_key, blob_sha256, reference_sha256, reference_size)
+        return base64.b64encode(self.private.sign(signed)).decode("ascii")
+
+    def sign_parts(self, cache_key: str, blob_sha256: str, size_bytes: int, parts: Parts) -> str:
+        """The signature (base64) binding a blob's part digests to the blob."""
+        signed = parts_message(cache_key, blob_sha256, size_bytes, parts)
         return base64.b64encode(self.private.sign(signed)).decode("ascii")
 
     @classmethod
@@ -271,6 +341,22 @@ class TrustedKeys:
             raise SignatureError(f"the reference outputs of blob {key} are not signed")
         signed = reference_message(key, str(blob.get("sha256")), str(digest), int(str(size)))
         self.check(key, signer_id, signature, signed)
+
+    def verified_parts(self, blob: Mapping[str, Any], manifest: Manifest) -> Parts | None:
+        """The record's part digests, if a trusted key bound them to the blob `manifest`
+        describes (verified already); None otherwise: the edge then checks the whole file's
+        sha256, the signed manifest's, so parts that are missing, malformed or not signed by
+        a trusted key cost speed, never trust."""
+        parts = Parts.of_record({**blob, "size_bytes": manifest.size_bytes})
+        signature, signer_id = blob.get("parts_signature"), blob.get("signing_key_id")
+        if parts is None or not isinstance(signature, str) or not isinstance(signer_id, str):
+            return None
+        signed = parts_message(manifest.cache_key, manifest.sha256, manifest.size_bytes, parts)
+        try:
+            self.check(manifest.cache_key, signer_id, signature, signed)
+        except SignatureError:
+            return None
+        return parts
 
     def check(self, cache_key: str, signer_id: str, signature: str, signed: bytes) -> None:
         """Raise `SignatureError` unless the trusted key `signer_id` signed `signed`."""

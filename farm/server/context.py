@@ -142,6 +142,7 @@ class FarmContext:
             compile_launcher=settings.compile_launcher,
             reference_outputs=settings.reference_outputs,
             allow_remote_code=settings.allow_remote_code,
+            part_bytes=settings.blob_part_bytes,
         )
 
     @cached_property

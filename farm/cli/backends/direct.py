@@ -530,7 +530,14 @@ class Direct:
         if signer is None:
             raise KeyFileError("farm keys resign signs with the farm's key: set FARM_SIGNING_KEY")
         trusted = TrustedKeys.from_files(self.farm.settings.trusted_key_paths)
-        return resign.resign(self.farm.session, self.farm.store, signer, trusted, accept_unverified)
+        return resign.resign(
+            self.farm.session,
+            self.farm.store,
+            signer,
+            trusted,
+            accept_unverified,
+            self.farm.settings.blob_part_bytes,
+        )
 
     def create_token(self, name: str, role: str, expires_at: datetime | None) -> str:
         from farm.server import tokens

@@ -202,6 +202,12 @@ class BlobOut(BaseModel):
     reference_size_bytes: int | None = None
     reference_signature: str | None = None
     """Ed25519 signature by signing_key_id binding the reference file to this blob."""
+    part_bytes: int | None = None
+    """The size of the parts `part_sha256s` lists (the last one shorter); null: none."""
+    part_sha256s: list[str] | None = None
+    """sha256 of each part: an edge that verified `parts_signature` checks each as it arrives."""
+    parts_signature: str | None = None
+    """Ed25519 signature by signing_key_id binding the part digests to this blob."""
     reference_note: str | None = None
     """Why the blob has no reference outputs."""
     reference_state: str | None = None

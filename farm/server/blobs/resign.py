@@ -14,7 +14,9 @@ instead of the farm's database and bucket:
 - its stored object, streamed (never held whole), has the row's size and sha256, and its header
   the row's payload offset.
 
-A blob that fails any of these is not signed and is reported with the reason. A blob whose
+The stored object's part digests are hashed in the same pass and signed with the manifest
+(farm/server/blobs/parts.py), so a re-signed blob downloads in parallel parts too. A blob that
+fails any of these is not signed and is reported with the reason. A blob whose
 manifest the current key signed already is skipped without reading storage, so running it again
 costs little. Each blob is signed in a transaction of its own, and only if its row still holds
 what was checked.
@@ -23,7 +25,6 @@ what was checked.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -43,11 +44,12 @@ from farm.core.errors import (
     SpecError,
     StorageError,
 )
-from farm.core.signing import Manifest, Signer, TrustedKeys
+from farm.core.signing import MIN_PART_BYTES, PART_BYTES, Manifest, Parts, Signer, TrustedKeys
 from farm.core.spec import Target, Toolchain
+from farm.server.blobs.parts import PartHasher, sign_parts
 from farm.server.blobs.signatures import manifest_of, sign_reference, sign_row
 from farm.server.db.models import Blob
-from farm.server.storage import BlobStore
+from farm.server.storage import BlobStore, Presigning
 
 PAGE = 100
 """Rows read per query: a farm of any size is walked in short transactions."""
@@ -101,8 +103,10 @@ def resign(
     signer: Signer,
     trusted: TrustedKeys,
     accept_unverified: bool = False,
+    part_bytes: int = PART_BYTES,
 ) -> ResignReport:
-    """Sign every blob's manifest (and v1 signature) with `signer`; see the module docstring."""
+    """Sign every blob's manifest (and v1 signature) with `signer`; see the module docstring.
+    `part_bytes`: the parts a blob in a store edges download from by URL is hashed into."""
     trusted = trusted.with_key(signer.public_key)
     report = ResignReport(signer.key_id)
     last_id = 0
@@ -127,12 +131,12 @@ def resign(
         last_id = rows[-1].id
         for checked in pending:  # storage is read with no transaction open
             try:
-                _check_object(store, checked)
+                parts = _check_object(store, checked, part_bytes)
             except FarmError as error:
                 failure = Failure(checked.manifest.cache_key, str(error), error.kind)
                 report.failures.append(failure)
                 continue
-            _sign(sessions, signer, checked, report)
+            _sign(sessions, signer, checked, parts, report)
 
 
 def _check_row(
@@ -196,11 +200,12 @@ def _check_identity(row: Blob) -> None:
         )
 
 
-def _check_object(store: BlobStore, checked: _Checked) -> None:
+def _check_object(store: BlobStore, checked: _Checked, part_bytes: int) -> Parts | None:
     """The stored object has the row's size, sha256 and payload offset: streamed, hashed as it
-    is read, one buffer at a time."""
+    is read, one buffer at a time. Returns its part digests, hashed in the same pass, where
+    edges download from the store by URL (none for a local store: read whole)."""
     manifest, key = checked.manifest, checked.storage_key
-    digest, size, head = hashlib.sha256(), 0, bytearray()
+    digest, size, head = PartHasher(max(part_bytes, MIN_PART_BYTES)), 0, bytearray()
     try:
         with contextlib.closing(store.open_read(key)) as stream:
             while chunk := stream.read(READ_BYTES):
@@ -214,7 +219,7 @@ def _check_object(store: BlobStore, checked: _Checked) -> None:
         raise StorageError(f"its object {key} is missing from storage; not re-signed") from None
     except Exception as error:  # any failure to read the object (boto3's are not OSErrors)
         raise StorageError(f"reading {key} from storage failed: {error}") from error
-    actual = digest.hexdigest()
+    actual = digest.whole.hexdigest()
     if size != manifest.size_bytes or actual != manifest.sha256:
         raise IntegrityMismatch(
             f"it is corrupt in storage: {key} has {size} bytes with sha256 {actual}, recorded "
@@ -229,9 +234,16 @@ def _check_object(store: BlobStore, checked: _Checked) -> None:
             f"its header puts the payload at byte {offset}, the row says "
             f"{manifest.payload_offset}; not re-signed"
         )
+    return digest.parts(actual) if isinstance(store, Presigning) else None
 
 
-def _sign(sessions: Sessions, signer: Signer, checked: _Checked, report: ResignReport) -> None:
+def _sign(
+    sessions: Sessions,
+    signer: Signer,
+    checked: _Checked,
+    parts: Parts | None,
+    report: ResignReport,
+) -> None:
     with sessions() as session:
         row = session.get(Blob, checked.id)
         if row is None:
@@ -248,5 +260,9 @@ def _sign(sessions: Sessions, signer: Signer, checked: _Checked, report: ResignR
             return
         sign_row(row, signer)
         sign_reference(row, signer)  # by the key that signs the manifest, or edges refuse it
+        signature = None
+        if parts is not None:
+            signature = signer.sign_parts(row.cache_key, row.sha256, row.size_bytes, parts)
+        sign_parts(row, parts, signature)
         session.commit()
     report.resigned += 1

@@ -216,9 +216,9 @@ _PENDING_REFERENCE_SQL = "reference_state = 'pending'"
 BLOBS_COMMENT = (
     "A compiled blob in storage. Inserted once, after its upload is verified, with its "
     "reference outputs pending; then its reference columns are set once, when the reference "
-    "run ends (ready or skipped), its signature columns by `farm keys resign`, and its "
-    "quarantine by a failed verification or an admin; deleted by `farm gc` or a rebuild "
-    "(recorded in blob_deletions)."
+    "run ends (ready or skipped), its part digests once, after it is recorded, its signature "
+    "columns by `farm keys resign`, and its quarantine by a failed verification or an admin; "
+    "deleted by `farm gc` or a rebuild (recorded in blob_deletions)."
 )
 
 
@@ -244,6 +244,11 @@ class Blob(Base):
         ),
         CheckConstraint(
             "(quarantined_at IS NULL) = (quarantine_reason IS NULL)", name="quarantine_has_reason"
+        ),
+        CheckConstraint(
+            "(part_bytes IS NULL) = (part_sha256s IS NULL) "
+            "AND (part_bytes IS NULL) = (parts_signature IS NULL)",
+            name="parts_recorded_whole",
         ),
         # Migration 0012: pages of the blob list, newest first, all or per target.
         Index("ix_blobs_created_at_id", "created_at", "id"),
@@ -342,6 +347,21 @@ class Blob(Base):
     reference_lease_expires_at: Mapped[datetime | None] = mapped_column(
         comment="While a reference run holds it: renewed by its process; past it, the "
         "reconciler sends it again (or records it skipped past its attempts). Null: unclaimed."
+    )
+    part_bytes: Mapped[int | None] = mapped_column(
+        BigInteger,
+        comment="The size of the parts part_sha256s lists (the last one shorter); null: none "
+        "hashed (a blob in a local store, or recorded before parts).",
+    )
+    part_sha256s: Mapped[list[str] | None] = mapped_column(
+        JSON(none_as_null=True),
+        comment="sha256 of each part, in order: an edge checks each as it downloads it "
+        "(farm/server/blobs/parts.py).",
+    )
+    parts_signature: Mapped[str | None] = mapped_column(
+        Text,
+        comment="Ed25519 signature (base64) by signing_key_id binding part_bytes and "
+        "part_sha256s to the blob (farm/core/signing.py parts_message).",
     )
 
     model: Mapped[Model] = relationship(lazy="joined")

@@ -13,6 +13,7 @@ submit`), so the job's submitter never waits for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import resource
@@ -42,9 +43,10 @@ from farm.core.errors import (
 from farm.core.filecache import BlobCache
 from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.identity import FileVersion
-from farm.core.signing import Signer
+from farm.core.signing import PART_BYTES, Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.core.vocabulary import JobState, ReferenceState
+from farm.server.blobs.parts import record_parts
 from farm.server.blobs.signatures import sign_row
 from farm.server.blobs.verifications import inherited_quarantine
 from farm.server.db.models import Blob, Job, Model
@@ -99,6 +101,8 @@ class RunLimits:
     """Compute the blob's reference outputs after compiling it (FARM_REFERENCE_OUTPUTS)."""
     allow_remote_code: bool = False
     """A stage may run a Hugging Face folder's own code (FARM_ALLOW_REMOTE_CODE)."""
+    part_bytes: int = PART_BYTES
+    """The size of a blob's parts (FARM_BLOB_PART_BYTES; `parts.record_parts`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,9 @@ class ReferencePlan:
 
     note: str | None
     prepared: Prepared | None = None
+    blob_file: Path | None = None
+    """The blob's file, still in the job's folder after a remote store took its copy: its
+    part digests are hashed from it once the job is recorded (`parts.record_parts`)."""
 
     @property
     def state(self) -> str:
@@ -213,11 +220,16 @@ def run_job(
             clock.record(session, job_id, job.attempts)
             session.commit()
             blob_id = _pending_blob(session, ended, job_id)
+            hashed_in_parts = _recorded_blob(session, ended, job_id) if plan.blob_file else None
     except Exception as error:
         _release(sessions, job_id, worker, error)
         shutil.rmtree(work_dir, ignore_errors=True)
         raise
     try:
+        if hashed_in_parts is not None and plan.blob_file is not None:
+            _record_parts_quietly(
+                sessions, hashed_in_parts, plan.blob_file, signer, limits.part_bytes
+            )
         if blob_id is not None and detach_reference:
             detach(blob_id)
         elif blob_id is not None and plan.prepared is not None:
@@ -236,6 +248,22 @@ def _pending_blob(session: Session, ended: Job | None, job_id: int) -> int | Non
     return session.scalar(
         select(Blob.id).where(Blob.job_id == job_id, Blob.reference_state == ReferenceState.PENDING)
     )
+
+
+def _recorded_blob(session: Session, ended: Job | None, job_id: int) -> int | None:
+    """The blob this job recorded (None: it recorded none)."""
+    if ended is None or ended.state != JobState.SUCCEEDED:
+        return None
+    return session.scalar(select(Blob.id).where(Blob.job_id == job_id))
+
+
+def _record_parts_quietly(sessions, blob_id: int, blob_file: Path, signer, part_bytes: int) -> None:
+    """The blob's part digests (`parts.record_parts`), after its job was recorded `succeeded`:
+    an edge downloads a blob without them as one stream, so their errors are logged only."""
+    try:
+        record_parts(sessions, blob_id, blob_file, signer, part_bytes)
+    except Exception:
+        log.warning("blob %s: its part digests were not recorded", blob_id, exc_info=True)
 
 
 def _reference_tail(
@@ -379,6 +407,8 @@ def _compile_and_store_steps(
             files, model_row = prepared.files, prepared.model
     release_free_memory()
     plan = _reference_plan(model_row, limits, Prepared(dict(files), inputs))
+    if not isinstance(store, LocalPaths):  # a local store moved the file in: edges read it whole
+        plan = dataclasses.replace(plan, blob_file=result.blob_path)
     record = lambda session: _record_blob(  # noqa: E731
         session, store, job, source_row, result, stored, output, signer, plan
     )

@@ -1,0 +1,91 @@
+"""A blob stored in S3 gets part digests after its job succeeds: hashed from the bytes the
+worker stored, signed by its key, answered by the API beside the manifest, and re-signed (and
+hashed again from the stored object) by `farm keys resign`. Real PostgreSQL, SeaweedFS and API;
+the farm compiles embedded, as a one-host farm on those services does."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+
+from farm.core.signing import Manifest, Parts, TrustedKeys, create_key_pair
+from farm.server.db.session import upgrade_database
+from tests import models
+from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
+from tests.integration.served import ApiServer
+from tests.integration.test_edge import ok_json, run_farm
+
+PART = 1 << 20
+
+
+@pytest.fixture
+def s3_farm(tmp_path, postgres_url, s3_url, s3_store):
+    """A farm on PostgreSQL and S3 whose blobs are hashed in 1 MiB parts, one 16 MB blob in
+    it, and its API."""
+    key = tmp_path / "keys" / "signing.pem"
+    public, _ = create_key_pair(key)
+    env = {
+        "FARM_HOME": str(tmp_path / "home"),
+        "FARM_DATABASE_URL": postgres_url,
+        "FARM_STORAGE_URL": s3_url,
+        "FARM_S3_ENDPOINT_URL": S3_ENDPOINT_URL,
+        "FARM_S3_ACCESS_KEY_ID": S3_CREDENTIALS["access_key_id"],
+        "FARM_S3_SECRET_ACCESS_KEY": S3_CREDENTIALS["secret_access_key"],
+        "FARM_SIGNING_KEY": str(key),
+        "FARM_TRUSTED_KEYS": str(public),
+        "FARM_BLOB_PART_BYTES": str(PART),
+    }
+    upgrade_database(postgres_url)
+    xml = models.save_ir(models.large_net(16), tmp_path / "model" / "big.xml")
+    submitted = ok_json(env, "submit", str(xml), "-d", "CPU")
+    assert submitted["job"]["state"] == "succeeded"
+    token = ok_json(env, "token", "create", "--name", "edge", "--role", "pull")["token"]
+    api = ApiServer(env, tmp_path / "api.log").start()
+    yield env, api, token, submitted["cache_key"], public, xml
+    api.stop()
+
+
+def resolved(api, token: str, key: str) -> dict:
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as client:
+        response = client.get(f"/v1/blobs/{key}")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def stored_parts(s3_store, s3_url: str, key: str, tmp_path) -> tuple[str, ...]:
+    stored = tmp_path / "stored.blob"
+    s3_store.get_file(f"blobs/{key}.blob", stored)
+    data = stored.read_bytes()
+    return tuple(
+        hashlib.sha256(data[at : at + PART]).hexdigest() for at in range(0, len(data), PART)
+    )
+
+
+def test_a_blob_in_s3_gets_signed_part_digests_of_its_stored_bytes(
+    s3_farm, s3_store, s3_url, tmp_path
+):
+    env, api, token, key, public, _ = s3_farm
+    record = resolved(api, token, key)
+    expected = stored_parts(s3_store, s3_url, key, tmp_path)
+    assert len(expected) == -(-record["size_bytes"] // PART) > 2
+    assert record["part_bytes"] == PART and tuple(record["part_sha256s"]) == expected
+    manifest = Manifest.from_record(record)
+    trusted = TrustedKeys.from_files([public])
+    assert trusted.verified_parts(record, manifest) == Parts(PART, expected)
+
+    # A new key: resign hashes the stored object's parts again and signs them with it.
+    new_key = tmp_path / "new" / "signing.pem"
+    new_public, new_id = create_key_pair(new_key)
+    operator = {**env, "FARM_SIGNING_KEY": str(new_key)}
+    result = run_farm(operator, "keys", "resign", "--json")
+    assert result.returncode == 0, result.stderr
+    again = resolved(api, token, key)
+    assert (
+        again["signing_key_id"] == new_id and again["parts_signature"] != record["parts_signature"]
+    )
+    assert TrustedKeys.from_files([new_public]).verified_parts(again, manifest) == Parts(
+        PART, expected
+    )
+    assert trusted.verified_parts(again, manifest) is None  # the old key no longer vouches
