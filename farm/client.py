@@ -24,6 +24,7 @@ from farm.core.errors import ApiError, IntegrityMismatch, Kind
 
 if TYPE_CHECKING:  # a submission's and a channel's parts load where they are used, not to list
     from farm.core.identity import ModelRef
+    from farm.core.signing import Parts
     from farm.core.spec import CompileSpec, Toolchain
 
 UPLOAD_CHUNK = 1 << 20
@@ -303,6 +304,26 @@ class FarmClient:
         return self._download(
             f"/v1/blobs/{cache_key}/download", cache_key, dest, progress, max_bytes
         )
+
+    def download_parts(
+        self, cache_key: str, dest: Path, size: int, parts: Parts, progress: Progress | None = None
+    ) -> bool:
+        """Download the blob into a new `dest` as its `parts`, on several connections, each
+        part checked against its digest as it arrives (`fetch_parts`); whether it did. False,
+        with nothing written: this farm answers with the bytes themselves (a local store) or
+        the URL goes through a proxy, and `download` fetches the blob as one stream."""
+        path = f"/v1/blobs/{cache_key}/download"
+        try:
+            with self.http.stream("GET", path, follow_redirects=False) as response:
+                if not response.is_redirect:
+                    return False
+                location = response.headers["location"]
+        except httpx.TransportError as error:
+            raise ApiError(0, "unreachable", f"download of {cache_key} failed: {error}") from error
+        if _proxied(location):
+            return False
+        fetch_parts(location, dest, size, parts.part_bytes, parts.sha256s, progress)
+        return True
 
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str:
         """The blob's reference outputs file to `dest` (no longer than its signed size); its
@@ -696,10 +717,7 @@ def _fetch(
     socket fills one reused 1 MB buffer, which is written and hashed in place.
     """
     parts = urllib.parse.urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    if not parts.hostname:
-        raise ApiError(0, "unreachable", f"the download URL has no host: {url[:200]}")
-    connection = kind(parts.hostname, parts.port, timeout=DOWNLOAD_TIMEOUT_SECONDS)
+    connection = _connector(url)()
     target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
     try:
         try:
@@ -712,8 +730,7 @@ def _fetch(
         if response.status == 416 and start:
             return _digest_of(dest).hexdigest()  # nothing left to fetch
         if response.status >= 400:
-            text = response.read(2000).decode("utf-8", errors="replace")
-            raise ApiError(response.status, "http_error", f"HTTP {response.status}: {text[:200]}")
+            raise _http_error(response)
         resumed = start and response.status == 206
         capped = _Capped(dest, start if resumed else 0, limit)
         capped.announced(response.length)
@@ -795,6 +812,238 @@ class _HashingWriter:
                 except BaseException as error:  # raised in the reading thread
                     self._error = error
             self._free.put(buffer)
+
+
+def fetch_parts(
+    url: str,
+    dest: Path,
+    size: int,
+    part_bytes: int,
+    sha256s: Sequence[str],
+    progress: Progress | None = None,
+    connections: int = 4,
+) -> None:
+    """GET a presigned URL of a `size`-byte object into a new `dest`, as parts of `part_bytes`
+    (the last one shorter) fetched with Range requests over up to `connections` connections
+    at once; part i must hash to `sha256s[i]` (lowercase hex).
+
+    Each thread keeps its connection for all its parts and writes and hashes every chunk as it
+    arrives, at its offset, through one reused DOWNLOAD_CHUNK buffer: memory stays about
+    `connections` x DOWNLOAD_CHUNK, whatever the part size. `progress` gets the bytes received,
+    from several threads, one call at a time.
+
+    Raises ValueError, before any request, when `sha256s` does not hold one digest per part.
+    IntegrityMismatch (naming the part and its offset) for a part whose sha256 differs, whose
+    body is longer than its range, or shorter than it without a Content-Length, or whose
+    Content-Range is not the range asked of a `size`-byte object (a body cut short of the
+    length it announced is a broken connection: `unreachable`). ApiError for an HTTP error
+    status or an answer that is not 206 (`http_error`), or a transport failure or timeout
+    (status 0, `unreachable`). On the first error the other threads take no further part, and
+    `dest` is removed before it is raised.
+    """
+    spans = _spans(size, part_bytes)
+    if len(sha256s) != len(spans):
+        raise ValueError(
+            f"{len(sha256s)} part digests for {len(spans)} parts of {part_bytes} bytes "
+            f"in {size} bytes"
+        )
+    if connections < 1:
+        raise ValueError(f"connections={connections}: at least 1")
+    parts = urllib.parse.urlsplit(url)
+    connect = _connector(url)
+    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(len(spans)):
+        pending.put(index)
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def advance(count: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(count)
+
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(dest, "wb")
+
+    def work() -> None:
+        buffer = bytearray(DOWNLOAD_CHUNK)
+        try:
+            with contextlib.closing(connect()) as connection:
+                while not failed.is_set():
+                    try:
+                        index = pending.get_nowait()
+                    except queue.Empty:
+                        return
+                    part = _Part(index, *spans[index], size, sha256s[index], dest.name)
+                    part.fetch(connection, target, parts.netloc, fd, buffer, failed, advance)
+        except BaseException as error:  # raised by the calling thread
+            errors.append(error)
+            failed.set()
+
+    workers = [
+        threading.Thread(target=work, name=f"download-part-{n}", daemon=True)
+        for n in range(min(connections, len(spans)))
+    ]
+    try:
+        try:
+            os.ftruncate(fd, size)
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            # Even on Ctrl-C: once closed, the descriptor's number may name another file, which
+            # a thread still running would write into.
+            for worker in workers:
+                if worker.is_alive():
+                    worker.join()
+            os.close(fd)
+        if errors:
+            raise errors[0]
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+
+
+def _spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
+    """The (first, last) byte offsets, inclusive, of each part of a `size`-byte object."""
+    if size < 0 or part_bytes < 1:
+        raise ValueError(f"size={size} and part_bytes={part_bytes}: size >= 0, part_bytes >= 1")
+    return [(a, min(a + part_bytes, size) - 1) for a in range(0, size, part_bytes)]
+
+
+class _Part:
+    """One part of a `fetch_parts`: its range, the object's size and the part's sha256."""
+
+    def __init__(
+        self, index: int, first: int, last: int, size: int, sha256: str, name: str
+    ) -> None:
+        self.index, self.first, self.last = index, first, last
+        self.size, self.sha256, self.name = size, sha256, name
+
+    def fetch(
+        self,
+        connection: http.client.HTTPConnection,
+        target: str,
+        netloc: str,
+        fd: int,
+        buffer: bytearray,
+        failed: threading.Event,
+        progress: Progress,
+    ) -> None:
+        """GET the part on `connection` and write it at its offset into `fd`, hashing it; stops
+        early, closing the connection, once `failed` is set."""
+        try:
+            connection.request("GET", target, headers={"Range": f"bytes={self.first}-{self.last}"})
+            response = connection.getresponse()
+        except (OSError, http.client.HTTPException) as error:
+            raise ApiError(0, "unreachable", f"download from {netloc} failed: {error}") from error
+        try:
+            self._read(response, netloc, fd, buffer, failed, progress)
+        finally:
+            if not response.isclosed():
+                # Bytes of this answer may be left on the socket: the connection cannot carry
+                # another request (and an answer to `Connection: close` owns the socket).
+                response.close()
+                connection.close()
+
+    def _read(
+        self,
+        response: http.client.HTTPResponse,
+        netloc: str,
+        fd: int,
+        buffer: bytearray,
+        failed: threading.Event,
+        progress: Progress,
+    ) -> None:
+        if response.status >= 400:
+            raise _http_error(response)
+        if response.status != 206:
+            raise ApiError(
+                response.status,
+                "http_error",
+                f"HTTP {response.status} to a request for bytes={self.first}-{self.last}, not "
+                f"206 (partial content): {netloc} does not serve ranges",
+            )
+        answered = response.getheader("Content-Range")
+        if answered != f"bytes {self.first}-{self.last}/{self.size}":
+            raise self._mismatch(f"answered Content-Range {answered!r}")
+        remaining = self.last - self.first + 1
+        if response.length is not None and response.length != remaining:
+            raise self._mismatch(f"announced {response.length} bytes")
+        digest, offset = hashlib.sha256(), self.first
+        with memoryview(buffer) as view:
+            while remaining:
+                if failed.is_set():
+                    return
+                try:
+                    count = response.readinto(view[: min(remaining, len(view))])
+                except (OSError, http.client.HTTPException) as error:
+                    raise ApiError(
+                        0, "unreachable", f"download from {netloc} broke off: {error}"
+                    ) from error
+                if not count and response.length is not None:
+                    raise ApiError(
+                        0,
+                        "unreachable",
+                        f"download from {netloc} broke off {remaining} bytes early",
+                    )
+                if not count:  # the end of a body without Content-Length
+                    raise self._mismatch(f"ended {remaining} bytes early")
+                _pwrite_all(fd, view[:count], offset)
+                digest.update(view[:count])
+                offset, remaining = offset + count, remaining - count
+                progress(count)
+        try:
+            longer = response.read(1)  # (a body without Content-Length that goes on)
+        except (OSError, http.client.HTTPException) as error:
+            raise ApiError(
+                0, "unreachable", f"download from {netloc} broke off: {error}"
+            ) from error
+        if longer:
+            raise self._mismatch("sent more bytes than the range")
+        if digest.hexdigest() != self.sha256:
+            raise self._mismatch(f"has sha256 {digest.hexdigest()}, not the recorded {self.sha256}")
+
+    def _mismatch(self, what: str) -> IntegrityMismatch:
+        return IntegrityMismatch(
+            f"part {self.index} (offset {self.first}, bytes {self.first}-{self.last} of "
+            f"{self.size}) of the download of {self.name} {what}; the download was deleted, "
+            "not imported",
+            details={"part": self.index, "offset": self.first},
+        )
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _connector(url: str) -> Callable[[], http.client.HTTPConnection]:
+    """A maker of connections (each opened by its first request) to the host of a presigned
+    `url`: plain HTTP, or TLS checked against the CA bundle, loaded once for all of them."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port
+    if not host:
+        raise ApiError(0, "unreachable", f"the download URL has no host: {url[:200]}")
+    if parts.scheme != "https":
+        return lambda: http.client.HTTPConnection(host, port, timeout=DOWNLOAD_TIMEOUT_SECONDS)
+    context = ssl.create_default_context()
+    context.set_alpn_protocols(["http/1.1"])  # what http.client sets on a context of its own
+    return lambda: http.client.HTTPSConnection(
+        host, port, timeout=DOWNLOAD_TIMEOUT_SECONDS, context=context
+    )
+
+
+def _http_error(response: http.client.HTTPResponse) -> ApiError:
+    """The error of a 4xx or 5xx answer to a presigned download (S3's XML, not the farm's)."""
+    text = response.read(2000).decode("utf-8", errors="replace")
+    return ApiError(response.status, "http_error", f"HTTP {response.status}: {text[:200]}")
 
 
 def _proxied(url: str) -> bool:

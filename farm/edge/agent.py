@@ -35,7 +35,7 @@ from farm.core.errors import (
     SignatureError,
 )
 from farm.core.filecache import BlobCache
-from farm.core.signing import Manifest, TrustedKeys
+from farm.core.signing import Manifest, Parts, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.core.status import verify_status
 from farm.edge.importer import import_blob, import_failure
@@ -217,6 +217,9 @@ class EdgeAgent:
             return Fetched(cache_key, cached, verified, downloaded=False)
         partial = self.cache.partial_path(cache_key)
         self._ensure_room(manifest.size_bytes - _size(partial))
+        if self._downloaded_in_parts(record, manifest, partial, progress):
+            path = self.cache.put(cache_key, partial, signed)  # each part checked as it came
+            return Fetched(cache_key, path, verified, downloaded=True)
         digest = self._download(cache_key, partial, manifest.size_bytes, progress)
         actual = digest or hashing.sha256_file(partial)
         if actual != manifest.sha256:
@@ -227,6 +230,37 @@ class EdgeAgent:
             )
         path = self.cache.put(cache_key, partial, signed)
         return Fetched(cache_key, path, verified, downloaded=True)
+
+    def _downloaded_in_parts(
+        self, record: Mapping[str, Any], manifest: Manifest, partial: Path, progress: Progress
+    ) -> bool:
+        """Download a new blob as its signed parts, on several connections, each checked as it
+        arrives (bench/README.md "edge"); whether it did. Not for a download to resume, a
+        source that cannot, or parts no trusted key bound to the manifest: `_download` then
+        fetches one stream, checked against the manifest's sha256 (which the parts' signature
+        names, so either way the bytes are the ones signed). Any failure to download falls
+        back to that stream; a part whose bytes differ is refused."""
+        download_parts = getattr(self.source, "download_parts", None)
+        if download_parts is None or _size(partial) > 0:
+            return False
+        if self.trust is None:  # FARM_ALLOW_UNSIGNED: the record's parts, as its sha256
+            parts = Parts.of_record({**record, "size_bytes": manifest.size_bytes})
+        else:
+            parts = self.trust.verified_parts(record, manifest)
+        if parts is None:
+            return False
+        try:
+            size = manifest.size_bytes
+            return bool(download_parts(manifest.cache_key, partial, size, parts, progress))
+        except (ApiError, OSError):
+            # `partial` is gone; one stream then asks for the blob again, with its retries,
+            # and says what is wrong if it still is (a refusal, a full disk).
+            return False
+        except IntegrityMismatch as error:
+            raise IntegrityMismatch(
+                f"downloaded blob {manifest.cache_key}: {error}; deleted, not imported",
+                details=error.details,
+            ) from None
 
     def _cached(self, manifest: Manifest, signed: dict[str, Any]) -> Path | None:
         """The cached blob, if it is bound to `manifest`: the manifest kept beside it is for

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # types only: listing loads nothing of a submission
     from farm.core.config import Settings
     from farm.core.identity import ModelRef
     from farm.core.pipelines import GenAIOptions, PipelineFolder
+    from farm.core.signing import Parts
     from farm.core.spec import CompileSpec, Toolchain
 
 BUNDLE_FLAGS = ("max_prompt_len", "min_response_len", "generate_hint", "prefill_hint", "cache_mode")
@@ -122,6 +123,11 @@ class Http:
         max_bytes: int | None = None,
     ) -> Any:
         return self.client.download(cache_key, dest, progress, max_bytes)
+
+    def download_parts(
+        self, cache_key: str, dest: Path, size: int, parts: Parts, progress: Advance | None = None
+    ) -> bool:
+        return self.client.download_parts(cache_key, dest, size, parts, progress)
 
     def report_pull(
         self,

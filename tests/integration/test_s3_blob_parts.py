@@ -9,6 +9,7 @@ import hashlib
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 
 from farm.core.signing import Manifest, Parts, TrustedKeys, create_key_pair
 from farm.server.db.session import upgrade_database
@@ -89,3 +90,58 @@ def test_a_blob_in_s3_gets_signed_part_digests_of_its_stored_bytes(
         PART, expected
     )
     assert trusted.verified_parts(again, manifest) is None  # the old key no longer vouches
+
+
+def edge_env(api, token: str, public, tmp_path) -> dict[str, str]:
+    return {
+        "FARM_API_URL": api.url,
+        "FARM_TOKEN": token,
+        "FARM_TRUSTED_KEYS": str(public),
+        "FARM_CACHE_DIR": str(tmp_path / "edge-cache"),
+        "FARM_HOME": str(tmp_path / "edge-home"),
+    }
+
+
+def corrupt_part(s3_store, key: str, part: int, tmp_path) -> None:
+    stored = tmp_path / "to-corrupt.blob"
+    s3_store.get_file(f"blobs/{key}.blob", stored)
+    data = bytearray(stored.read_bytes())
+    data[part * PART + 100] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    s3_store.delete(f"blobs/{key}.blob")
+    s3_store.put_file(f"blobs/{key}.blob", stored)
+
+
+def test_an_edge_downloads_the_signed_parts_and_refuses_a_part_that_differs(
+    s3_farm, s3_store, s3_url, postgres_url, tmp_path
+):
+    _env, api, token, key, public, _xml = s3_farm
+    edge = edge_env(api, token, public, tmp_path)
+    out = tmp_path / "pulled.blob"
+    pulled = ok_json(edge, "pull", key, "-o", str(out), "--format", "cache-entry")
+    assert pulled["downloaded"] is True
+    stored = tmp_path / "stored.blob"
+    s3_store.get_file(f"blobs/{key}.blob", stored)
+    assert out.read_bytes() == stored.read_bytes()
+
+    # Bytes changed in storage: the part that holds them is refused, by name, and nothing of
+    # the download is kept (another edge, with an empty cache).
+    corrupt_part(s3_store, key, 5, tmp_path)
+    other = edge_env(api, token, public, tmp_path / "other")
+    refused = run_farm(other, "pull", key, "--import")
+    assert refused.returncode == 5, refused.stderr
+    assert "part 5" in refused.stderr and "not imported" in refused.stderr
+    cache = tmp_path / "other" / "edge-cache" / "blobs"
+    assert list(cache.glob("*.blob")) == [] and list((cache / "partial").iterdir()) == []
+
+    # Parts no trusted key vouches for: the edge takes one stream and checks the whole file.
+    engine = create_engine(postgres_url)
+    with engine.begin() as connection:
+        connection.execute(
+            text("UPDATE blobs SET parts_signature = :forged WHERE cache_key = :key"),
+            {"forged": "A" * 88, "key": key},
+        )
+    engine.dispose()
+    refused = run_farm(other, "pull", key, "--import")
+    assert refused.returncode == 5, refused.stderr
+    assert "part" not in refused.stderr and "sha256" in refused.stderr
