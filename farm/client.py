@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -312,18 +313,30 @@ class FarmClient:
         part checked against its digest as it arrives (`fetch_parts`); whether it did. False,
         with nothing written: this farm answers with the bytes themselves (a local store) or
         the URL goes through a proxy, and `download` fetches the blob as one stream."""
+        location = self._presigned_url(cache_key)
+        if location is None or _proxied(location):
+            return False
+
+        def renew() -> str:
+            fresh = self._presigned_url(cache_key)
+            if fresh is None:
+                raise ApiError(0, "unreachable", f"the farm no longer redirects {cache_key}")
+            return fresh
+
+        fetch_parts(location, dest, size, parts.part_bytes, parts.sha256s, progress, renew=renew)
+        return True
+
+    def _presigned_url(self, cache_key: str) -> str | None:
+        """The presigned URL the farm redirects the blob's download to; None: it answers with
+        the bytes themselves (a local store)."""
         path = f"/v1/blobs/{cache_key}/download"
         try:
             with self.http.stream("GET", path, follow_redirects=False) as response:
                 if not response.is_redirect:
-                    return False
-                location = response.headers["location"]
+                    return None
+                return response.headers["location"]
         except httpx.TransportError as error:
             raise ApiError(0, "unreachable", f"download of {cache_key} failed: {error}") from error
-        if _proxied(location):
-            return False
-        fetch_parts(location, dest, size, parts.part_bytes, parts.sha256s, progress)
-        return True
 
     def download_reference(self, cache_key: str, dest: Path, max_bytes: int) -> str:
         """The blob's reference outputs file to `dest` (no longer than its signed size); its
@@ -822,6 +835,7 @@ def fetch_parts(
     sha256s: Sequence[str],
     progress: Progress | None = None,
     connections: int = 4,
+    renew: Callable[[], str] | None = None,
 ) -> None:
     """GET a presigned URL of a `size`-byte object into a new `dest`, as parts of `part_bytes`
     (the last one shorter) fetched with Range requests over up to `connections` connections
@@ -840,6 +854,11 @@ def fetch_parts(
     status or an answer that is not 206 (`http_error`), or a transport failure or timeout
     (status 0, `unreachable`). On the first error the other threads take no further part, and
     `dest` is removed before it is raised.
+
+    `renew`: a fresh URL of the same object. Given, a part whose connection breaks, or whose
+    URL has expired (403), is asked for again on a new connection to a renewed URL, up to
+    PART_ATTEMPTS times, while the parts already checked stay: a download that outlives its
+    URL's lifetime (FARM_PRESIGN_SECONDS) goes on.
     """
     spans = _spans(size, part_bytes)
     if len(sha256s) != len(spans):
@@ -849,9 +868,8 @@ def fetch_parts(
         )
     if connections < 1:
         raise ValueError(f"connections={connections}: at least 1")
-    parts = urllib.parse.urlsplit(url)
-    connect = _connector(url)
-    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    source = _PartSource(url, renew)
+    tries = [0] * len(spans)
     pending: queue.SimpleQueue[int] = queue.SimpleQueue()
     for index in range(len(spans)):
         pending.put(index)
@@ -868,18 +886,35 @@ def fetch_parts(
 
     def work() -> None:
         buffer = bytearray(DOWNLOAD_CHUNK)
+        connection = None
         try:
-            with contextlib.closing(connect()) as connection:
-                while not failed.is_set():
-                    try:
-                        index = pending.get_nowait()
-                    except queue.Empty:
-                        return
-                    part = _Part(index, *spans[index], size, sha256s[index], dest.name)
-                    part.fetch(connection, target, parts.netloc, fd, buffer, failed, advance)
+            while not failed.is_set():
+                try:
+                    index = pending.get_nowait()
+                except queue.Empty:
+                    return
+                url_now = source.current()
+                if connection is None:
+                    connection = url_now.connect()
+                part = _Part(index, *spans[index], size, sha256s[index], dest.name)
+                try:
+                    part.fetch(
+                        connection, url_now.target, url_now.netloc, fd, buffer, failed, advance
+                    )
+                except ApiError as error:
+                    connection.close()
+                    connection = None
+                    tries[index] += 1
+                    if not source.retries(error) or tries[index] >= PART_ATTEMPTS:
+                        raise
+                    source.renew_after(url_now)
+                    pending.put(index)
         except BaseException as error:  # raised by the calling thread
             errors.append(error)
             failed.set()
+        finally:
+            if connection is not None:
+                connection.close()
 
     workers = [
         threading.Thread(target=work, name=f"download-part-{n}", daemon=True)
@@ -907,6 +942,46 @@ def fetch_parts(
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
+
+
+PART_ATTEMPTS = 4
+"""Tries of one part in `fetch_parts` when its connection breaks or its URL expires."""
+
+
+@dataclass(frozen=True)
+class _PartUrl:
+    target: str
+    netloc: str
+    connect: Callable[[], http.client.HTTPConnection]
+
+    @classmethod
+    def of(cls, url: str) -> _PartUrl:
+        parts = urllib.parse.urlsplit(url)
+        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        return cls(target, parts.netloc, _connector(url))
+
+
+class _PartSource:
+    """The URL `fetch_parts` asks its parts of, renewed (once for all threads) when a part's
+    request breaks or finds it expired."""
+
+    def __init__(self, url: str, renew: Callable[[], str] | None) -> None:
+        self._url = _PartUrl.of(url)
+        self._renew = renew
+        self._lock = threading.Lock()
+
+    def current(self) -> _PartUrl:
+        with self._lock:
+            return self._url
+
+    def retries(self, error: ApiError) -> bool:
+        return self._renew is not None and error.status in (0, 403)
+
+    def renew_after(self, failed: _PartUrl) -> None:
+        assert self._renew is not None
+        with self._lock:
+            if self._url is failed:  # no other thread renewed it since
+                self._url = _PartUrl.of(self._renew())
 
 
 def _spans(size: int, part_bytes: int) -> list[tuple[int, int]]:

@@ -14,6 +14,8 @@ boto3 or FastAPI.
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 import shutil
 import socket
 import time
@@ -35,7 +37,7 @@ from farm.core.errors import (
     SignatureError,
 )
 from farm.core.filecache import BlobCache
-from farm.core.signing import Manifest, Parts, TrustedKeys
+from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.core.status import verify_status
 from farm.edge.importer import import_blob, import_failure
@@ -217,8 +219,8 @@ class EdgeAgent:
             return Fetched(cache_key, cached, verified, downloaded=False)
         partial = self.cache.partial_path(cache_key)
         self._ensure_room(manifest.size_bytes - _size(partial))
-        if self._downloaded_in_parts(record, manifest, partial, progress):
-            path = self.cache.put(cache_key, partial, signed)  # each part checked as it came
+        path = self._fetched_in_parts(record, manifest, partial, signed, progress)
+        if path is not None:
             return Fetched(cache_key, path, verified, downloaded=True)
         digest = self._download(cache_key, partial, manifest.size_bytes, progress)
         actual = digest or hashing.sha256_file(partial)
@@ -231,36 +233,65 @@ class EdgeAgent:
         path = self.cache.put(cache_key, partial, signed)
         return Fetched(cache_key, path, verified, downloaded=True)
 
-    def _downloaded_in_parts(
-        self, record: Mapping[str, Any], manifest: Manifest, partial: Path, progress: Progress
-    ) -> bool:
-        """Download a new blob as its signed parts, on several connections, each checked as it
-        arrives (bench/README.md "edge"); whether it did. Not for a download to resume, a
-        source that cannot, or parts no trusted key bound to the manifest: `_download` then
-        fetches one stream, checked against the manifest's sha256 (which the parts' signature
-        names, so either way the bytes are the ones signed). Any failure to download falls
-        back to that stream; a part whose bytes differ is refused."""
+    def _fetched_in_parts(
+        self,
+        record: Mapping[str, Any],
+        manifest: Manifest,
+        partial: Path,
+        signed: dict[str, Any],
+        progress: Progress,
+    ) -> Path | None:
+        """A new blob downloaded as its signed parts, on several connections, each checked as
+        it arrives (bench/README.md "edge"), and put into the cache; None when it was not.
+
+        Only for parts a trusted key bound to the verified manifest (with FARM_ALLOW_UNSIGNED
+        nothing binds them to the record's sha256: never), a source that can, and no download
+        to resume. The parts go to a file of their own (`<key>.parts`), held under an exclusive
+        lock from its open to its rename into the cache, so another process pulling the same
+        blob (which then takes the one stream) never writes into a file this one checked, and a
+        download killed midway is started again, never resumed as if it were a prefix.
+        Otherwise, and after any failure to download, `_download` fetches one stream, checked
+        against the manifest's sha256, which the parts' signature names: either way the bytes
+        are the ones signed. A part whose bytes differ refuses the blob."""
         download_parts = getattr(self.source, "download_parts", None)
-        if download_parts is None or _size(partial) > 0:
-            return False
-        if self.trust is None:  # FARM_ALLOW_UNSIGNED: the record's parts, as its sha256
-            parts = Parts.of_record({**record, "size_bytes": manifest.size_bytes})
-        else:
-            parts = self.trust.verified_parts(record, manifest)
+        if download_parts is None or self.trust is None or _size(partial) > 0:
+            return None
+        parts = self.trust.verified_parts(record, manifest)
         if parts is None:
-            return False
+            return None
+        target = partial.with_name(f"{partial.name}.parts")
         try:
-            size = manifest.size_bytes
-            return bool(download_parts(manifest.cache_key, partial, size, parts, progress))
-        except (ApiError, OSError):
-            # `partial` is gone; one stream then asks for the blob again, with its retries,
-            # and says what is wrong if it still is (a refusal, a full disk).
-            return False
-        except IntegrityMismatch as error:
-            raise IntegrityMismatch(
-                f"downloaded blob {manifest.cache_key}: {error}; deleted, not imported",
-                details=error.details,
-            ) from None
+            lock = os.open(target, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None  # not a regular file of ours: the one stream
+        held = False
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return None  # another process downloads these parts now
+            held = True
+            if not _same_file(lock, target):
+                return None  # put into the cache, or removed, by the process that held it
+            self._ensure_room(manifest.size_bytes)
+            try:
+                size, key = manifest.size_bytes, manifest.cache_key
+                if not download_parts(key, target, size, parts, progress):
+                    return None
+            except (ApiError, OSError):
+                # `target` is gone; the one stream asks for the blob again, with its retries,
+                # and says what is wrong if it still is (a refusal, a full disk).
+                return None
+            except IntegrityMismatch as error:
+                raise IntegrityMismatch(
+                    f"downloaded blob {manifest.cache_key}: {error}; deleted, not imported",
+                    details=error.details,
+                ) from None
+            return self.cache.put(manifest.cache_key, target, signed)  # each part checked
+        finally:
+            if held and _same_file(lock, target):  # not in the cache: a lock file, or nothing
+                target.unlink(missing_ok=True)
+            os.close(lock)
 
     def _cached(self, manifest: Manifest, signed: dict[str, Any]) -> Path | None:
         """The cached blob, if it is bound to `manifest`: the manifest kept beside it is for
@@ -397,6 +428,16 @@ class EdgeAgent:
                 f"the blob needs {needed} more bytes in {self.cache.root} but only {free} are "
                 "free; free some space or set FARM_CACHE_DIR / FARM_CACHE_MAX_BYTES"
             )
+
+
+def _same_file(descriptor: int, path: Path) -> bool:
+    """Whether `path` names the file open as `descriptor`."""
+    try:
+        at_path = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(descriptor)
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _same_key(asked: str, blob: Mapping[str, Any]) -> None:

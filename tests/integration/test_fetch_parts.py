@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
@@ -106,6 +107,51 @@ def test_a_connection_cut_midway_is_unreachable_and_leaves_no_file(stored, s3_ur
         proxy.cut()
     assert (error.value.status, error.value.code) == (0, "unreachable")
     assert not (tmp_path / "blob").exists()
+
+
+def test_a_cut_part_is_asked_again_of_a_renewed_url_and_the_checked_parts_stay(
+    stored, s3_url, tmp_path
+):
+    data, url = stored
+    proxy = TcpProxy(urlparse(S3_ENDPOINT_URL).port, cut_once_after=MIB // 2)
+    proxy.start()
+    renewed: list[str] = []
+
+    def renew() -> str:
+        renewed.append(url)
+        return url  # straight to the store, past the proxy
+
+    try:
+        cut = through(proxy, s3_url).presigned_url("blobs/parts.blob", expires_seconds=300)
+        received: list[int] = []
+        fetch_parts(
+            cut, tmp_path / "blob", SIZE, MIB, digests(data, MIB), received.append, 2, renew
+        )
+    finally:
+        proxy.cut()
+    assert (tmp_path / "blob").read_bytes() == data
+    assert proxy.cuts == 1 and renewed == [url]  # once, for both connections
+
+
+def test_an_expired_url_is_renewed_and_without_renew_refuses(stored, s3_store, tmp_path):
+    data, url = stored
+    expired = s3_store.presigned_url("blobs/parts.blob", expires_seconds=1)
+    time.sleep(2.5)
+    with pytest.raises(ApiError) as error:
+        fetch_parts(expired, tmp_path / "blob", SIZE, MIB, digests(data, MIB))
+    assert error.value.status == 403 and not (tmp_path / "blob").exists()
+    renewed: list[str] = []
+    fetch_parts(
+        expired,
+        tmp_path / "blob",
+        SIZE,
+        MIB,
+        digests(data, MIB),
+        None,
+        4,
+        lambda: renewed.append(url) or url,
+    )
+    assert (tmp_path / "blob").read_bytes() == data and renewed == [url]
 
 
 def through(proxy: TcpProxy, s3_url: str) -> S3Store:

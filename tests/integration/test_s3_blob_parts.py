@@ -5,7 +5,9 @@ the farm compiles embedded, as a one-host farm on those services does."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 
 import httpx
 import pytest
@@ -145,3 +147,26 @@ def test_an_edge_downloads_the_signed_parts_and_refuses_a_part_that_differs(
     refused = run_farm(other, "pull", key, "--import")
     assert refused.returncode == 5, refused.stderr
     assert "part" not in refused.stderr and "sha256" in refused.stderr
+
+
+def test_a_second_pull_of_the_same_blob_takes_the_one_stream_while_the_parts_are_locked(
+    s3_farm, s3_store, tmp_path
+):
+    _env, api, token, key, public, _xml = s3_farm
+    edge = edge_env(api, token, public, tmp_path)
+    partial = tmp_path / "edge-cache" / "blobs" / "partial"
+    partial.mkdir(parents=True, mode=0o700)
+    # Another process is downloading this blob's parts: it holds their file's lock.
+    held = os.open(partial / f"{key}.parts", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        out = tmp_path / "pulled.blob"
+        pulled = ok_json(edge, "pull", key, "-o", str(out), "--format", "cache-entry")
+        assert (partial / f"{key}.parts").exists()  # left to its owner, never written
+        assert os.fstat(held).st_size == 0
+    finally:
+        os.close(held)
+    assert pulled["downloaded"] is True
+    stored = tmp_path / "stored.blob"
+    s3_store.get_file(f"blobs/{key}.blob", stored)
+    assert out.read_bytes() == stored.read_bytes()
