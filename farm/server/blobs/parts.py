@@ -2,7 +2,7 @@
 still holds after a remote store took its copy, after the job is recorded `succeeded` (off the
 job's path, as the reference run is), signed by the key that signed its manifest, and kept on
 the blob's row. An edge that verified them downloads the parts on several connections and
-checks each as it arrives (docs/architecture.md §7); one without them checks the whole file.
+checks each as it arrives (docs/architecture.md §10); one without them checks the whole file.
 """
 
 from __future__ import annotations
