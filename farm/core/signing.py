@@ -196,13 +196,6 @@ class Parts:
             return None
         return cls(part_bytes, tuple(sha256s))
 
-    def spans(self, size: int) -> list[tuple[int, int]]:
-        """(offset, length) of each part of a blob of `size` bytes."""
-        return [
-            (offset, min(self.part_bytes, size - offset))
-            for offset in range(0, size, self.part_bytes)
-        ]
-
 
 def part_count(size: int, part_bytes: int) -> int:
     return -(-size // part_bytes)
