@@ -898,9 +898,7 @@ def fetch_parts(
                     connection = url_now.connect()
                 part = _Part(index, *spans[index], size, sha256s[index], dest.name)
                 try:
-                    part.fetch(
-                        connection, url_now.target, url_now.netloc, fd, buffer, failed, advance
-                    )
+                    part.fetch(connection, url_now, fd, buffer, failed, advance)
                 except ApiError as error:
                     connection.close()
                     connection = None
@@ -1003,22 +1001,24 @@ class _Part:
     def fetch(
         self,
         connection: http.client.HTTPConnection,
-        target: str,
-        netloc: str,
+        url: _PartUrl,
         fd: int,
         buffer: bytearray,
         failed: threading.Event,
         progress: Progress,
     ) -> None:
-        """GET the part on `connection` and write it at its offset into `fd`, hashing it; stops
-        early, closing the connection, once `failed` is set."""
+        """GET the part of `url` on `connection` and write it at its offset into `fd`, hashing
+        it; stops early, closing the connection, once `failed` is set."""
+        ranged = {"Range": f"bytes={self.first}-{self.last}"}
         try:
-            connection.request("GET", target, headers={"Range": f"bytes={self.first}-{self.last}"})
+            connection.request("GET", url.target, headers=ranged)
             response = connection.getresponse()
         except (OSError, http.client.HTTPException) as error:
-            raise ApiError(0, "unreachable", f"download from {netloc} failed: {error}") from error
+            raise ApiError(
+                0, "unreachable", f"download from {url.netloc} failed: {error}"
+            ) from error
         try:
-            self._read(response, netloc, fd, buffer, failed, progress)
+            self._read(response, url.netloc, fd, buffer, failed, progress)
         finally:
             if not response.isclosed():
                 # Bytes of this answer may be left on the socket: the connection cannot carry

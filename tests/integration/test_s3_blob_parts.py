@@ -16,26 +16,22 @@ from sqlalchemy import create_engine, text
 from farm.core.signing import Manifest, Parts, TrustedKeys, create_key_pair
 from farm.server.db.session import upgrade_database
 from tests import models
-from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
 from tests.integration.served import ApiServer
 from tests.integration.test_edge import ok_json, run_farm
+from tests.integration.test_gc import s3_env
 
 PART = 1 << 20
 
 
 @pytest.fixture
-def s3_farm(tmp_path, postgres_url, s3_url, s3_store):
+def s3_farm(tmp_path, postgres_url, s3_store):
     """A farm on PostgreSQL and S3 whose blobs are hashed in 1 MiB parts, one 16 MB blob in
     it, and its API."""
     key = tmp_path / "keys" / "signing.pem"
     public, _ = create_key_pair(key)
     env = {
         "FARM_HOME": str(tmp_path / "home"),
-        "FARM_DATABASE_URL": postgres_url,
-        "FARM_STORAGE_URL": s3_url,
-        "FARM_S3_ENDPOINT_URL": S3_ENDPOINT_URL,
-        "FARM_S3_ACCESS_KEY_ID": S3_CREDENTIALS["access_key_id"],
-        "FARM_S3_SECRET_ACCESS_KEY": S3_CREDENTIALS["secret_access_key"],
+        **s3_env(postgres_url, s3_store),
         "FARM_SIGNING_KEY": str(key),
         "FARM_TRUSTED_KEYS": str(public),
         "FARM_BLOB_PART_BYTES": str(PART),
@@ -57,7 +53,7 @@ def resolved(api, token: str, key: str) -> dict:
         return response.json()
 
 
-def stored_parts(s3_store, s3_url: str, key: str, tmp_path) -> tuple[str, ...]:
+def stored_parts(s3_store, key: str, tmp_path) -> tuple[str, ...]:
     stored = tmp_path / "stored.blob"
     s3_store.get_file(f"blobs/{key}.blob", stored)
     data = stored.read_bytes()
@@ -66,12 +62,10 @@ def stored_parts(s3_store, s3_url: str, key: str, tmp_path) -> tuple[str, ...]:
     )
 
 
-def test_a_blob_in_s3_gets_signed_part_digests_of_its_stored_bytes(
-    s3_farm, s3_store, s3_url, tmp_path
-):
+def test_a_blob_in_s3_gets_signed_part_digests_of_its_stored_bytes(s3_farm, s3_store, tmp_path):
     env, api, token, key, public, _ = s3_farm
     record = resolved(api, token, key)
-    expected = stored_parts(s3_store, s3_url, key, tmp_path)
+    expected = stored_parts(s3_store, key, tmp_path)
     assert len(expected) == -(-record["size_bytes"] // PART) > 2
     assert record["part_bytes"] == PART and tuple(record["part_sha256s"]) == expected
     manifest = Manifest.from_record(record)
@@ -115,7 +109,7 @@ def corrupt_part(s3_store, key: str, part: int, tmp_path) -> None:
 
 
 def test_an_edge_downloads_the_signed_parts_and_refuses_a_part_that_differs(
-    s3_farm, s3_store, s3_url, postgres_url, tmp_path
+    s3_farm, s3_store, postgres_url, tmp_path
 ):
     _env, api, token, key, public, _xml = s3_farm
     edge = edge_env(api, token, public, tmp_path)
