@@ -48,6 +48,21 @@ def test_the_parts_make_the_object(stored, tmp_path, connections):
     assert sum(received) == SIZE
 
 
+@pytest.mark.parametrize("left", [0, SIZE + 4096], ids=["empty", "longer"])
+def test_a_file_already_there_becomes_the_object(stored, tmp_path, left):
+    """The agent's lock file (empty, held open), or a download killed midway (longer)."""
+    data, url = stored
+    dest = tmp_path / "blob"
+    dest.write_bytes(b"\xff" * left)
+    held = os.open(dest, os.O_RDWR)
+    try:
+        fetch_parts(url, dest, SIZE, MIB, digests(data, MIB), connections=4)
+        assert os.fstat(held).st_ino == dest.stat().st_ino  # the same file, not a new one
+    finally:
+        os.close(held)
+    assert dest.read_bytes() == data
+
+
 def test_a_part_is_never_held_whole_in_memory(stored, tmp_path):
     data, url = stored
     tracemalloc.start()
