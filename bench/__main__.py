@@ -12,6 +12,7 @@ rewrite the results section of bench/README.md from bench/results/*.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import tempfile
 
 from .common import REPO, child_env, log
 from .report import update_readme
+from .tune import held
 
 BENCHMARKS = {
     "edge": "edge time-to-ready, peak RSS, download vs boto3 (issue 5 item 9)",
@@ -65,15 +67,19 @@ def main(argv: list[str]) -> int:
         env["FARM_BENCH_SMOKE"] = "1"
         env["FARM_BENCH_RESULTS"] = tempfile.mkdtemp(prefix="farm-bench-smoke-")
     failed = []
-    for name in names:
-        log(f"=== {name}{' (smoke)' if smoke else ''}: {known[name]}")
-        args = SMOKE_ARGS.get(name, []) if smoke else []
-        result = subprocess.run(
-            [sys.executable, "-m", f"bench.{name}", *args], cwd=REPO, env=env, check=False
-        )
-        if result.returncode != 0:
-            failed.append(name)
-            log(f"{name} failed (exit {result.returncode})")
+    with contextlib.nullcontext(False) if smoke else held() as steady:
+        if not smoke:
+            held_or_not = "held" if steady else "as the machine has it"
+            log(f"free page reporting {held_or_not} (bench/tune.py)")
+        for name in names:
+            log(f"=== {name}{' (smoke)' if smoke else ''}: {known[name]}")
+            args = SMOKE_ARGS.get(name, []) if smoke else []
+            result = subprocess.run(
+                [sys.executable, "-m", f"bench.{name}", *args], cwd=REPO, env=env, check=False
+            )
+            if result.returncode != 0:
+                failed.append(name)
+                log(f"{name} failed (exit {result.returncode})")
     if not smoke:
         update_readme()
     elif not os.environ.get("FARM_BENCH_KEEP"):

@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import tune
+
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = os.environ.get("FARM_BENCH_SMOKE") == "1"
 """`bench/run --smoke`: every benchmark end to end on tiny inputs, one run each, so a benchmark
@@ -30,6 +32,7 @@ RESULTS = Path(os.environ["FARM_BENCH_RESULTS"]) if SMOKE else REPO / "bench" / 
 RUNS = 1 if SMOKE else int(os.environ.get("FARM_BENCH_RUNS", "5"))
 """Runs per measurement; the issue asks for medians of at least five."""
 MB = 2**20
+_PAGE_REPORTING_AT_START = tune.state()
 N = TypeVar("N", int, float)
 
 
@@ -118,7 +121,18 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "openvino": ov.get_version(),
         "kernel": platform.release(),
+        "page_reporting": page_reporting(),
     }
+
+
+def page_reporting() -> dict[str, int] | None:
+    """The free page reporting settings (bench/tune.py) and how many KiB it handed the host
+    while this benchmark ran."""
+    now = tune.state()
+    if now is None or _PAGE_REPORTING_AT_START is None:
+        return now
+    reported = now.get("reported_kib", 0) - _PAGE_REPORTING_AT_START.get("reported_kib", 0)
+    return {**now, "reported_kib_during_run": reported}
 
 
 def git_commit() -> str:

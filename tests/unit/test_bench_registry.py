@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.__main__ import BENCHMARKS, ON_DEMAND, SMOKE_ARGS
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-NOT_BENCHMARKS = {"__init__", "__main__", "common", "observe", "probes", "report", "stack"}
+NOT_BENCHMARKS = {"__init__", "__main__", "common", "observe", "probes", "report", "stack", "tune"}
 """Helpers of the benchmarks, and `mutation` (scripts/mutation's scorer, an hour long)."""
 
 
