@@ -46,12 +46,23 @@ def _number(value: float, unit: str = "") -> str:
     return f"{text} {unit}".strip()
 
 
+def _reporting(result: dict) -> str:
+    """How the VM's free page reporting stood during the run (bench/tune.py), where it has it."""
+    reporting = result.get("machine", {}).get("page_reporting")
+    if not reporting or "min_free_ms" not in reporting:
+        return ""
+    held = "held" if reporting["min_free_ms"] else "on"
+    reported = reporting.get("reported_kib_during_run")
+    meanwhile = f", {reported // 1024} MiB reported meanwhile" if reported is not None else ""
+    return f"; free page reporting {held}{meanwhile}"
+
+
 def render(result: dict) -> list[str]:
     lines = [
         f"### {result['benchmark']}",
         "",
         f"{result.get('title', '')} — {result['finished_at']}, commit {result['commit']}, "
-        f"median of {result['runs_per_measurement']} runs.",
+        f"median of {result['runs_per_measurement']} runs{_reporting(result)}.",
         "",
     ]
     comparisons = result.get("comparisons", [])
