@@ -309,10 +309,11 @@ class FarmClient:
     def download_parts(
         self, cache_key: str, dest: Path, size: int, parts: Parts, progress: Progress | None = None
     ) -> bool:
-        """Download the blob into a new `dest` as its `parts`, on several connections, each
-        part checked against its digest as it arrives (`fetch_parts`); whether it did. False,
-        with nothing written: this farm answers with the bytes themselves (a local store) or
-        the URL goes through a proxy, and `download` fetches the blob as one stream."""
+        """Download the blob into `dest` (created, or emptied first) as its `parts`, on
+        several connections, each part checked against its digest as it arrives
+        (`fetch_parts`); whether it did. False, with nothing written: this farm answers with
+        the bytes themselves (a local store) or the URL goes through a proxy, and `download`
+        fetches the blob as one stream."""
         location = self._presigned_url(cache_key)
         if location is None or _proxied(location):
             return False
@@ -882,8 +883,6 @@ def fetch_parts(
             with lock:
                 progress(count)
 
-    fd = _opened_empty(dest)
-
     def work() -> None:
         buffer = bytearray(DOWNLOAD_CHUNK)
         connection = None
@@ -918,6 +917,7 @@ def fetch_parts(
         threading.Thread(target=work, name=f"download-part-{n}", daemon=True)
         for n in range(min(connections, len(spans)))
     ]
+    fd = _opened_empty(dest)
     try:
         try:
             os.ftruncate(fd, size)
@@ -943,11 +943,14 @@ def fetch_parts(
 
 
 def _opened_empty(dest: Path) -> int:
-    """`dest` opened to write, empty: created, or an existing file (the agent's lock file, a
-    download killed midway) emptied. Not with O_TRUNC: ext4 (auto_da_alloc) marks a file
-    truncated on open, and when it is closed starts the writeback of all it holds while the
-    closing thread waits, 0.1 s of a 512 MB download (bench/README.md "edge")."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o666)
+    """`dest` opened to write, empty: created, or an existing file (the agent's lock file,
+    empty; a download killed midway) emptied; never through a symbolic link.
+
+    Not with O_TRUNC: ext4 (auto_da_alloc) marks a file truncated to nothing, and when it is
+    closed starts the writeback of all it then holds while the closing thread waits, 0.1 s of
+    a 512 MB download (bench/README.md "edge"). An empty file is left as it is, so the
+    agent's lock file never pays it; a leftover with bytes in it is emptied, and does."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     try:
         if os.fstat(fd).st_size:
             os.ftruncate(fd, 0)
