@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
-from bench import tune
+from bench import report, tune
 
 
 @pytest.fixture
@@ -12,6 +15,7 @@ def knobs(tmp_path, monkeypatch):
     (tmp_path / "min_free_ms").write_text("0\n")
     (tmp_path / "reported_kib").write_text("1024\n")
     monkeypatch.setattr(tune, "PAGE_REPORTING", tmp_path)
+    monkeypatch.setattr(tune, "LOCK", tmp_path / "tune.lock")
     monkeypatch.delenv("FARM_BENCH_TUNE", raising=False)
     return tmp_path
 
@@ -36,3 +40,37 @@ def test_a_kernel_without_page_reporting_runs_as_it_is(tmp_path, monkeypatch):
     with tune.held() as steady:
         assert not steady
     assert tune.state() is None
+
+
+def test_a_second_run_at_once_leaves_the_knob_to_the_first(knobs, tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "LOCK", tmp_path / "tune.lock")
+    with tune.held() as first:
+        with tune.held() as second:
+            assert first and not second
+        assert tune.held_now(tune.state())  # the second did not put back the first's value
+    assert (knobs / "min_free_ms").read_text() == "0"
+
+
+def test_a_knob_that_cannot_be_set_runs_as_the_machine_is(knobs):
+    (knobs / "min_free_ms").unlink()
+    (knobs / "min_free_ms").mkdir()  # refused to root too, as a read-only knob to others
+    with tune.held() as steady:
+        assert not steady
+
+
+def test_sigterm_puts_the_setting_back(knobs):
+    with pytest.raises(SystemExit), tune.held():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert (knobs / "min_free_ms").read_text() == "0"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_results_block_says_how_reporting_stood():
+    def line(reporting):
+        return report._reporting({"machine": {"page_reporting": reporting}})
+
+    assert line({"min_free_ms": tune.HOLD_MS, "reported_kib_during_run": 3 << 20}) == (
+        "; free page reporting held, 3072 MiB reported meanwhile"
+    )
+    assert line({"min_free_ms": 0}) == "; free page reporting on (min_free_ms 0)"
+    assert line(None) == ""
