@@ -854,7 +854,8 @@ def fetch_parts(
     length it announced is a broken connection: `unreachable`). ApiError for an HTTP error
     status or an answer that is not 206 (`http_error`), or a transport failure or timeout
     (status 0, `unreachable`). On the first error the other threads take no further part, and
-    `dest` is removed before it is raised.
+    `dest` is removed before it is raised. OSError, before any request and touching nothing,
+    when `dest` cannot be opened, a symbolic link there included.
 
     `renew`: a fresh URL of the same object. Given, a part whose connection breaks, or whose
     URL has expired (403), is asked for again on a new connection to a renewed URL, up to
