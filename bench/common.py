@@ -32,8 +32,9 @@ RESULTS = Path(os.environ["FARM_BENCH_RESULTS"]) if SMOKE else REPO / "bench" / 
 RUNS = 1 if SMOKE else int(os.environ.get("FARM_BENCH_RUNS", "5"))
 """Runs per measurement; the issue asks for medians of at least five."""
 MB = 2**20
-_PAGE_REPORTING_AT_START = tune.state()
 N = TypeVar("N", int, float)
+_PAGE_REPORTING_AT_START = tune.state()
+"""Free page reporting's settings and count when this benchmark's process started."""
 
 
 def scaled(full: N, smoke: N) -> N:
