@@ -75,11 +75,11 @@ def held() -> Iterator[bool]:
         if not changed:
             yield False
             return
-        with _signals_exit():
-            try:
+        try:
+            with _signals_exit():
                 yield True
-            finally:
-                knob.write_text(before)
+        finally:
+            knob.write_text(before)
 
 
 @contextlib.contextmanager
@@ -90,7 +90,10 @@ def _signals_exit() -> Iterator[None]:
     def leave(number: int, _frame: object) -> None:
         raise SystemExit(128 + number)
 
-    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {}
+    with contextlib.suppress(ValueError):  # not the main thread: its caller's signals are its own
+        for number in (signal.SIGTERM, signal.SIGHUP):
+            previous[number] = signal.signal(number, leave)
     try:
         yield
     finally:
