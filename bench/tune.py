@@ -59,27 +59,31 @@ def held() -> Iterator[bool]:
     if os.environ.get("FARM_BENCH_TUNE") == "0":
         yield False
         return
-    with open(LOCK, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False  # another run holds it, and puts it back
-            return
-        knob = PAGE_REPORTING / "min_free_ms"
-        try:
-            before = knob.read_text().strip()
-            knob.write_text(str(HOLD_MS))
-            changed = True
-        except OSError:
-            changed = False
-        if not changed:
+    with contextlib.ExitStack() as stack:
+        before = _set_knob(stack)
+        if before is None:
             yield False
             return
         try:
             with _signals_exit():
                 yield True
         finally:
-            knob.write_text(before)
+            (PAGE_REPORTING / "min_free_ms").write_text(before)
+
+
+def _set_knob(stack: contextlib.ExitStack) -> str | None:
+    """Take the lock for this run (kept open on `stack`) and set `min_free_ms` to HOLD_MS; its
+    value before, or None: another run holds it, this kernel has no page reporting, or this
+    user may not set it."""
+    try:
+        lock = stack.enter_context(open(LOCK, "a"))  # noqa: SIM115 - closed by the stack
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        knob = PAGE_REPORTING / "min_free_ms"
+        before = knob.read_text().strip()
+        knob.write_text(str(HOLD_MS))
+    except OSError:
+        return None
+    return before
 
 
 @contextlib.contextmanager
