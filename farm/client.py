@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from farm.core.emptied import open_emptied
 from farm.core.errors import ApiError, IntegrityMismatch, Kind
 
 if TYPE_CHECKING:  # a submission's and a channel's parts load where they are used, not to list
@@ -918,7 +919,7 @@ def fetch_parts(
         threading.Thread(target=work, name=f"download-part-{n}", daemon=True)
         for n in range(min(connections, len(spans)))
     ]
-    fd = _opened_empty(dest)
+    fd = open_emptied(dest)  # never O_TRUNC: ext4 would flush the whole file at its close
     try:
         try:
             os.ftruncate(fd, size)
@@ -941,24 +942,6 @@ def fetch_parts(
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
-
-
-def _opened_empty(dest: Path) -> int:
-    """`dest` opened to write, empty: created, or an existing file (the agent's lock file,
-    empty; a download killed midway) emptied; never through a symbolic link.
-
-    Not with O_TRUNC: ext4 (auto_da_alloc) marks a file truncated to nothing, and when it is
-    closed starts the writeback of all it then holds while the closing thread waits, 0.1 s of
-    a 512 MB download (bench/README.md "edge"). An empty file is left as it is, so the
-    agent's lock file never pays it; a leftover with bytes in it is emptied, and does."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    try:
-        if os.fstat(fd).st_size:
-            os.ftruncate(fd, 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 PART_ATTEMPTS = 4

@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from farm.core.emptied import open_emptied
 from farm.core.errors import IntegrityMismatch, StorageError
 from farm.core.filecache import BlobCache
 from farm.core.hashing import sha256_file
@@ -88,7 +89,9 @@ def download_hashed(store: BlobStore, storage_key: str, dest: Path) -> str:
     if found is None:
         raise StorageError(f"{storage_key} is not in storage")
     size, digest = found.size, hashlib.sha256()
-    with open(dest, "wb") as sink:
+    # Not open(dest, "wb"): `dest` exists (mkstemp), and ext4 would then flush it all at its
+    # close, under the compile that reads it next (farm/core/emptied.py).
+    with os.fdopen(open_emptied(dest), "wb") as sink:
         sink.truncate(size)
         starts = iter(range(0, size, FETCH_PART_BYTES))
 
