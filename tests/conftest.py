@@ -34,6 +34,26 @@ def openvino_libs_alone() -> Iterator[Path]:
         yield libs
 
 
+@pytest.fixture
+def file_opens(monkeypatch) -> dict[str, list[int]]:
+    """What this test's code asks of `os.open` (its flags) and `os.ftruncate` (its lengths),
+    for tests that a file is never opened with O_TRUNC (farm/core/emptied.py)."""
+    seen: dict[str, list[int]] = {"flags": [], "truncated": []}
+    real_open, real_ftruncate = os.open, os.ftruncate
+
+    def recording_open(path, flags, *args):
+        seen["flags"].append(flags)
+        return real_open(path, flags, *args)
+
+    def recording_ftruncate(fd, length):
+        seen["truncated"].append(length)
+        return real_ftruncate(fd, length)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "ftruncate", recording_ftruncate)
+    return seen
+
+
 @pytest.fixture(autouse=True)
 def private_client_cache(tmp_path, monkeypatch) -> None:
     """Digest and edge blob caches of this test's own (never the user's ~/.cache/farm)."""

@@ -50,7 +50,7 @@ def test_the_parts_make_the_object(stored, tmp_path, connections):
 
 @pytest.mark.parametrize("left", [0, MIB, SIZE + 4096], ids=["empty", "shorter", "longer"])
 def test_a_file_already_there_becomes_the_object_and_is_never_opened_to_truncate(
-    stored, tmp_path, monkeypatch, left
+    stored, tmp_path, left, file_opens
 ):
     """The agent's lock file (empty, held open) or a download killed midway: the same file
     becomes exactly the object. It is never opened with O_TRUNC (ext4 then flushes the whole
@@ -58,28 +58,17 @@ def test_a_file_already_there_becomes_the_object_and_is_never_opened_to_truncate
     data, url = stored
     dest = tmp_path / "blob"
     dest.write_bytes(b"\xff" * left)
-    opened, truncated = [], []
-    real_open, real_ftruncate = os.open, os.ftruncate
-
-    def recording_open(path, flags, *args):
-        opened.append(flags)
-        return real_open(path, flags, *args)
-
-    def recording_ftruncate(fd, length):
-        truncated.append(length)
-        return real_ftruncate(fd, length)
-
-    monkeypatch.setattr(os, "open", recording_open)
-    monkeypatch.setattr(os, "ftruncate", recording_ftruncate)
-    held = real_open(dest, os.O_RDWR)
+    held = os.open(dest, os.O_RDWR)
+    file_opens["flags"].clear()  # the lock's own open, above
     try:
         fetch_parts(url, dest, SIZE, MIB, digests(data, MIB), connections=4)
         assert os.fstat(held).st_ino == dest.stat().st_ino  # the same file, not a new one
     finally:
         os.close(held)
     assert dest.read_bytes() == data
+    opened = file_opens["flags"]
     assert opened and not any(flags & os.O_TRUNC for flags in opened)
-    assert truncated == ([0, SIZE] if left else [SIZE])
+    assert file_opens["truncated"] == ([0, SIZE] if left else [SIZE])
 
 
 def test_a_symbolic_link_in_the_files_place_is_never_written_through(stored, tmp_path):

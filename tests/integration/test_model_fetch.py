@@ -47,7 +47,7 @@ def test_a_corrupt_object_is_refused_and_not_cached(s3_store, tmp_path, monkeypa
 
 
 def test_the_fetch_into_its_mkstemp_file_never_opens_it_to_truncate(
-    s3_store, tmp_path, monkeypatch
+    s3_store, tmp_path, monkeypatch, file_opens
 ):
     """`O_TRUNC` on the existing name made ext4 flush the whole model at its close, under the
     compile that reads it next (farm/core/emptied.py)."""
@@ -57,20 +57,16 @@ def test_the_fetch_into_its_mkstemp_file_never_opens_it_to_truncate(
     source.write_bytes(data)
     key = model_storage_key(digest)
     s3_store.put_file(key, source, expected_sha256=digest)
-    flags_seen, modes_seen, real_open = [], [], os.open
-
-    def recording_os_open(path, flags, *args):
-        flags_seen.append(flags)
-        return real_open(path, flags, *args)
+    modes_seen = []
 
     def recording_open(file, mode="r", *args, **kwargs):
         modes_seen.append(mode)  # "w" truncates as O_TRUNC does
         return open(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(os, "open", recording_os_open)
     monkeypatch.setattr(model_cache, "open", recording_open, raising=False)
     cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
     model_cache.link_model_file(cache, s3_store, key, digest, tmp_path / "m.bin")
     assert (tmp_path / "m.bin").read_bytes() == data
+    flags_seen = file_opens["flags"]
     assert flags_seen and not any(flags & os.O_TRUNC for flags in flags_seen)
     assert not any("w" in mode for mode in modes_seen)

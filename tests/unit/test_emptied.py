@@ -9,26 +9,10 @@ import pytest
 from farm.core import emptied
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    seen: dict[str, list] = {"open": [], "ftruncate": []}
-    real_open, real_ftruncate = os.open, os.ftruncate
-
-    def recording_open(path, flags, *args):
-        seen["open"].append(flags)
-        return real_open(path, flags, *args)
-
-    def recording_ftruncate(fd, length):
-        seen["ftruncate"].append(length)
-        return real_ftruncate(fd, length)
-
-    monkeypatch.setattr(os, "open", recording_open)
-    monkeypatch.setattr(os, "ftruncate", recording_ftruncate)
-    return seen
-
-
 @pytest.mark.parametrize("there", [None, b"", b"old bytes"], ids=["new", "empty", "with bytes"])
-def test_the_file_is_opened_empty_and_truncated_only_when_it_holds_bytes(tmp_path, calls, there):
+def test_the_file_is_opened_empty_and_truncated_only_when_it_holds_bytes(
+    tmp_path, file_opens, there
+):
     path = tmp_path / "file"
     if there is not None:
         path.write_bytes(there)
@@ -39,8 +23,8 @@ def test_the_file_is_opened_empty_and_truncated_only_when_it_holds_bytes(tmp_pat
     finally:
         os.close(fd)
     assert path.read_bytes() == b"new"
-    assert not any(flags & os.O_TRUNC for flags in calls["open"])
-    assert calls["ftruncate"] == ([0] if there else [])
+    assert not any(flags & os.O_TRUNC for flags in file_opens["flags"])
+    assert file_opens["truncated"] == ([0] if there else [])
     if inode is not None:
         assert path.stat().st_ino == inode  # the same file, as a lock held on it expects
 
