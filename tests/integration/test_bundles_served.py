@@ -293,7 +293,8 @@ def test_a_lost_part_message_and_a_dead_workers_part_are_sent_again(served, tiny
     served.start_worker("w1")
     report = served.farm_json("reconcile", env={"FARM_RESEND_AFTER_SECONDS": "0"})
     assert report["bundle_parts"]["resent"] == [row.id]
-    wait_until(lambda: _parts(served)[0].state == "running", 60, "w1 to claim the part")
+    # 180 s: a claim took over 60 s once, in the first minutes of a full suite on two cores.
+    wait_until(lambda: _parts(served)[0].state == "running", 180, "w1 to claim the part")
     served.kill_worker("w1")  # SIGKILL to the worker, its pool and the compile child
     assert _parts(served)[0].state == "running"  # nobody told the database
     served.start_worker("w2")
