@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from farm.core.emptied import open_emptied
+from farm.core.emptied import open_emptied, pwrite_all
 from farm.core.errors import ApiError, IntegrityMismatch, Kind
 
 if TYPE_CHECKING:  # a submission's and a channel's parts load where they are used, not to list
@@ -1071,7 +1071,7 @@ class _Part:
                     )
                 if not count:  # the end of a body without Content-Length
                     raise self._mismatch(f"ended {remaining} bytes early")
-                _pwrite_all(fd, view[:count], offset)
+                pwrite_all(fd, view[:count], offset)
                 digest.update(view[:count])
                 offset, remaining = offset + count, remaining - count
                 progress(count)
@@ -1093,12 +1093,6 @@ class _Part:
             "not imported",
             details={"part": self.index, "offset": self.first},
         )
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
 
 
 def _connector(url: str) -> Callable[[], http.client.HTTPConnection]:

@@ -1,8 +1,12 @@
-"""farm/core/emptied.py: a file opened to write from nothing, never with O_TRUNC."""
+"""farm/core/emptied.py: a file opened to write from nothing, never with O_TRUNC, only a
+regular file; every byte written or the kernel's reason why not."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +40,62 @@ def test_a_symbolic_link_is_never_followed(tmp_path):
     with pytest.raises(OSError):
         emptied.open_emptied(tmp_path / "link")
     assert target.read_bytes() == b"keep"
+
+
+def test_a_fifo_is_refused_at_once_instead_of_waiting_for_a_reader(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    opened = subprocess.run(  # a child: an open that waits would otherwise hang the suite
+        [sys.executable, "-c", OPEN_IN_CHILD, str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert opened.returncode == 0, opened.stderr
+    assert opened.stdout.startswith("OSError")
+
+
+def test_a_device_is_refused():
+    with pytest.raises(OSError, match="not a regular file"):
+        emptied.open_emptied(Path(os.devnull))
+
+
+def test_a_short_write_goes_on_until_the_kernel_says_why_not(tmp_path):
+    """A real short write: past RLIMIT_FSIZE, `pwrite` writes what fits and returns its
+    count; the next one fails with EFBIG (as a full disk's does with ENOSPC)."""
+    path = tmp_path / "file"
+    wrote = subprocess.run(
+        [sys.executable, "-c", WRITE_PAST_LIMIT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert wrote.returncode == 0, wrote.stderr
+    assert wrote.stdout.split() == ["short", "4096", "EFBIG"]
+    assert path.read_bytes() == b"\0" * 8192 + b"x" * 4096  # what fit, no more
+
+
+OPEN_IN_CHILD = """
+import sys
+from pathlib import Path
+from farm.core.emptied import open_emptied
+try:
+    open_emptied(Path(sys.argv[1]))
+except OSError as error:
+    print("OSError", error)
+"""
+WRITE_PAST_LIMIT = """
+import errno, os, resource, signal, sys
+from farm.core.emptied import pwrite_all
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (12288, 12288))
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+print("short", os.pwrite(fd, b"x" * 8192, 8192))  # what a single pwrite does
+os.ftruncate(fd, 8192)
+try:
+    pwrite_all(fd, b"x" * 8192, 8192)
+except OSError as error:
+    print(errno.errorcode[error.errno])
+"""

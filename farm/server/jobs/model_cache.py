@@ -21,7 +21,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from farm.core.emptied import open_emptied
+from farm.core.emptied import open_emptied, pwrite_all
 from farm.core.errors import IntegrityMismatch, StorageError
 from farm.core.filecache import BlobCache
 from farm.core.hashing import sha256_file
@@ -106,7 +106,7 @@ def download_hashed(store: BlobStore, storage_key: str, dest: Path) -> str:
                 raise StorageError(f"S3 read of {storage_key} failed: {error}") from error
             if len(data) != end - start + 1:
                 raise StorageError(f"S3 read of {storage_key} was cut short at {start}")
-            os.pwrite(sink.fileno(), data, start)
+            pwrite_all(sink.fileno(), data, start)
             return data
 
         with ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="model-fetch") as pool:
