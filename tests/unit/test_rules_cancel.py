@@ -168,10 +168,10 @@ class CancellingStore(LocalStore):
         super().__init__(farm.store.root)
         self.farm, self.job_id = farm, job_id
 
-    def adopt_file(self, key, path):
+    def adopt_file(self, key, path, expected_sha256=None):
         with self.farm.session() as session:
             service.cancel(session, self.job_id, by="operator", as_admin=True)
-        return super().adopt_file(key, path)
+        return super().adopt_file(key, path, expected_sha256)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import errno
 import hashlib
 import mmap
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -394,3 +396,84 @@ def test_an_uncached_copy_of_a_file_that_ends_early_fails_with_its_own_error(tmp
         pytest.raises(StorageError, match="ended while it was copied"),
     ):
         local._copy_uncached(reader.fileno(), writer.fileno(), sink)
+
+
+def test_an_object_is_written_once_and_other_bytes_for_its_key_are_refused(store, tmp_path):
+    """As S3's `If-None-Match: *`: a second attempt of a job (its lease taken back) that
+    compiled other bytes must not replace the blob whose digest the first one recorded."""
+    first, second, again = (tmp_path / name for name in ("first", "second", "again"))
+    first.write_bytes(b"A" * 100_000)
+    second.write_bytes(b"B" * 100_000)
+    again.write_bytes(b"A" * 100_000)
+    recorded = store.adopt_file("blobs/k.blob", first).sha256
+    with pytest.raises(ChecksumMismatch, match="write-once"):
+        store.adopt_file("blobs/k.blob", second)
+    assert store.adopt_file("blobs/k.blob", again).sha256 == recorded  # the same bytes: fine
+    assert hashlib.sha256(store.local_path("blobs/k.blob").read_bytes()).hexdigest() == recorded
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_the_writer_never_replaces_an_object(store):
+    with store.writer("refs/r") as writer:
+        writer.write(b"first")
+        writer.commit()
+    with store.writer("refs/r") as writer, pytest.raises(ChecksumMismatch, match="write-once"):
+        writer.write(b"other")
+        writer.commit()
+    with store.writer("refs/r") as writer:
+        writer.write(b"first")
+        writer.commit()
+    assert store.local_path("refs/r").read_bytes() == b"first"
+    assert leftovers(store) == ["r"]
+
+
+@pytest.mark.parametrize("names", [1, 2], ids=["moved", "copied (a second name)"])
+def test_adopt_refuses_bytes_that_are_not_the_expected_digest(store, tmp_path, names):
+    given = tmp_path / "given"
+    given.write_bytes(b"not what the child reported")
+    if names == 2:
+        os.link(given, tmp_path / "other name")
+    with pytest.raises(ChecksumMismatch, match="nothing stored"):
+        store.adopt_file("models/m", given, expected_sha256=hashlib.sha256(b"x").hexdigest())
+    assert not store.exists("models/m")
+    assert leftovers(store) == []
+
+
+def test_a_short_write_of_the_uncached_copys_tail_stores_nothing(tmp_path):
+    """`pwrite` writes what fits and returns its count past RLIMIT_FSIZE, as on a disk that
+    fills; the copy must fail, never store a file shorter than its digest says."""
+    ran = subprocess.run(
+        [sys.executable, "-c", SHORT_TAIL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["refused", "EFBIG", "stored:", "False", "leftovers:", "0"]
+
+
+SHORT_TAIL = """
+import errno, hashlib, os, resource, signal, sys
+from pathlib import Path
+from farm.core.identity import file_version
+from farm.server.storage.local import LocalStore, discard_prestaged
+root = Path(sys.argv[1])
+source = root / "model.bin"
+data = os.urandom(3 * 4096 + 1000)  # a partial last block: written through the cached file
+source.write_bytes(data)
+sha = hashlib.sha256(data).hexdigest()
+store = LocalStore(root / "store")
+version = file_version(source)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 4096 + 500, resource.RLIM_INFINITY))
+store.prestage(f"models/{sha}", source, version, uncached=True)
+try:
+    store.put_version(f"models/{sha}", source, sha, version)
+    print("stored whole")
+except OSError as error:
+    print("refused", errno.errorcode[error.errno])
+discard_prestaged()
+print("stored:", store.exists(f"models/{sha}"))
+print("leftovers:", sum(1 for p in (root / "store").rglob("*") if p.is_file()))
+"""

@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core import compression, sources
-from farm.core.errors import CompileCancelled, CompileError, ConversionError
+from farm.core.errors import ChecksumMismatch, CompileCancelled, CompileError, ConversionError
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec
@@ -311,10 +311,10 @@ def _store_files(
             if result.sha256 and sha256_file(path) != identity[role]:
                 raise ConversionError(f"{stage.kind}: its output {role} is not what it reported")
             continue
-        stored = store.adopt_file(store_key, path)  # a local store moves it: no copy
-        if stored.sha256 != identity[role]:
-            store.delete(store_key)  # ours, just made: not what its key says
-            raise ConversionError(f"{stage.kind}: its output {role} changed while stored")
+        try:  # a local store moves it: no copy
+            store.adopt_file(store_key, path, expected_sha256=identity[role])
+        except ChecksumMismatch:  # nothing stored: what the child reported is not its output
+            raise ConversionError(f"{stage.kind}: its output {role} changed while stored") from None
         # A local store took the file given up (moved, or copied and the file emptied as it
         # went): the compile reads it there.
         local = store.local_path(store_key) if isinstance(store, LocalPaths) else None

@@ -145,11 +145,15 @@ class BlobStore(abc.ABC):
         hashing them again; the others hash them on the way, as `put_file`."""
         return self.put_file(key, path, expected_sha256=sha256)
 
-    def adopt_file(self, key: str, path: str | Path) -> StoredObject:
+    def adopt_file(
+        self, key: str, path: str | Path, expected_sha256: str | None = None
+    ) -> StoredObject:
         """Store the file at `path` under `key`; the caller gives the file up: a local store
         moves it into place, or copies it and empties the file as it goes (another user's), so
-        what was stored is read from the store afterwards, never from `path`."""
-        return self.put_file(key, path)
+        what was stored is read from the store afterwards, never from `path`. With
+        `expected_sha256`, bytes with another digest are refused (ChecksumMismatch) and
+        nothing is stored."""
+        return self.put_file(key, path, expected_sha256=expected_sha256)
 
     @abc.abstractmethod
     def get_file(self, key: str, dest: str | Path) -> None:

@@ -1,8 +1,11 @@
 """A folder as blob store, for the embedded farm on one machine.
 
 Note: for one machine only; several hosts need S3 (`farm.storage.s3`). Objects are written to a
-temporary file in the same folder, flushed, then renamed into place, so a reader never sees a
-half-written object and a crash leaves at most a `.partial` file behind.
+temporary file in the same folder, flushed, then given its name (a hard link, then the
+temporary name removed), so a reader never sees a half-written object and a crash leaves at
+most a `.partial` file behind. Objects are written once, as in S3 (`If-None-Match: *`): a
+name that holds an object already keeps it, and other bytes for it are a ChecksumMismatch
+(`_place`), so a row never names bytes that replaced the ones it recorded.
 
 The embedded `farm submit` puts a model into this store right after hashing it, and its blob
 right after OpenVINO wrote it; neither is read twice (`put_version`, `adopt_file`):
@@ -53,10 +56,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
+from farm.core.emptied import pwrite_all
 from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.identity import FileVersion, version_now, version_of
 from farm.server.storage import (
     BlobStore,
+    ChecksumMismatch,
     ListsObjects,
     LocalPaths,
     ObjectWriter,
@@ -125,7 +130,7 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
         target = self._path(key)
         staged = _PRESTAGED.pop(str(path), None)
         if staged is not None:
-            stored = staged.take(target, version)
+            stored = staged.take(target, version, sha256)
             if stored is not None:
                 return StoredObject(key, stored, sha256)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -144,12 +149,14 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             if not before == after == version:  # written since it was hashed: read it again
                 os.unlink(temporary)
                 return self.put_file(key, path, expected_sha256=sha256)
-            os.replace(temporary, target)
+            _place(Path(temporary), target, sha256)
         finally:
             Path(temporary).unlink(missing_ok=True)
         return StoredObject(key, size, sha256)
 
-    def adopt_file(self, key: str, path: str | Path) -> StoredObject:
+    def adopt_file(
+        self, key: str, path: str | Path, expected_sha256: str | None = None
+    ) -> StoredObject:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         descriptor = _open_given_up(path)
@@ -162,29 +169,33 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             # of theirs holding it open; one with a second name, through that name: copied,
             # and the copy hashed, never the file.
             if info.st_uid == os.geteuid() and info.st_nlink == 1 and _moved(path, temporary):
-                return self._commit_own(key, temporary, target)
+                return self._commit_own(key, temporary, target, expected_sha256)
             with open(temporary, "x+b") as sink:  # read too: the copy is hashed
                 os.fchmod(sink.fileno(), 0o600)
                 # No other name may see the file given up emptied as it is copied.
                 release = info.st_nlink == 1 and _writable(descriptor)
                 sha256 = _copy_hashed(descriptor, sink.fileno(), info.st_size, release)
+                _check_digest(key, sha256, expected_sha256)
                 os.fsync(sink.fileno())
-            os.replace(temporary, target)
+            _place(temporary, target, sha256)
         finally:
             os.close(descriptor)
             temporary.unlink(missing_ok=True)
         return StoredObject(key, info.st_size, sha256)
 
-    def _commit_own(self, key: str, temporary: Path, target: Path) -> StoredObject:
-        """Hash, flush and rename into place a partial file no one else can write."""
+    def _commit_own(
+        self, key: str, temporary: Path, target: Path, expected_sha256: str | None
+    ) -> StoredObject:
+        """Hash, flush and put into place a partial file no one else can write."""
         try:
             with open(temporary, "rb", buffering=0) as partial:
                 _start_writeback(partial.fileno())  # the disk writes while we hash
                 sha256 = sha256_stream(partial)
+                _check_digest(key, sha256, expected_sha256)
                 os.fchmod(partial.fileno(), 0o600)
                 os.fsync(partial.fileno())
                 size = os.fstat(partial.fileno()).st_size
-            os.replace(temporary, target)
+            _place(temporary, target, sha256)
         finally:
             temporary.unlink(missing_ok=True)
         return StoredObject(key, size, sha256)
@@ -277,9 +288,9 @@ class _Prestaged:
             self.target = target
         return self.target == target
 
-    def take(self, target: Path, version: FileVersion) -> int | None:
-        """Rename the finished copy to `target`, its place, if the source kept `version`
-        throughout; its size, or None (the caller copies again)."""
+    def take(self, target: Path, version: FileVersion, sha256: str) -> int | None:
+        """Put the finished copy at `target`, its place, if the source kept `version` (whose
+        bytes have digest `sha256`) throughout; its size, or None (the caller copies again)."""
         self.thread.join()
         try:
             if self.size is None or self.target != target:
@@ -288,7 +299,7 @@ class _Prestaged:
             # and its digest is not this copy's.
             if not self.version == self.after == version == version_now(self.source):
                 return None
-            os.replace(self.temporary, target)
+            _place(self.temporary, target, sha256)
             if self.uncached:
                 _COPIED_FROM[target] = (self.source, self.version)
             return self.size
@@ -311,6 +322,30 @@ def discard_prestaged() -> None:
     """Stop and delete the copies `prestage` started that no `put_version` took."""
     while _PRESTAGED:
         _PRESTAGED.popitem()[1].discard()
+
+
+def _place(temporary: Path, target: Path, sha256: str) -> None:
+    """Give the finished file `temporary` (bytes of digest `sha256`) its place `target`,
+    unless an object is stored there already: objects are written once, as S3's
+    `If-None-Match: *` keeps them, so a row that recorded an object's digest never names
+    bytes put there after it. The same bytes there already are fine; other bytes are a
+    ChecksumMismatch. `temporary` is left for the caller to remove."""
+    try:
+        os.link(temporary, target)
+    except FileExistsError:
+        found = sha256_file(target)
+        if found != sha256:
+            raise ChecksumMismatch(
+                f"{target.name} is already stored with sha256 {found}, not {sha256}; objects "
+                "are write-once, so this is a conflict to investigate"
+            ) from None
+
+
+def _check_digest(key: str, sha256: str, expected: str | None) -> None:
+    if expected is not None and sha256 != expected:
+        raise ChecksumMismatch(
+            f"{key}: the bytes have sha256 {sha256}, expected {expected}; nothing stored"
+        )
 
 
 def _partial_name(target: Path) -> Path:
@@ -515,7 +550,7 @@ def _copy_uncached(
     if len(tail) != size - copied:
         raise StorageError("the file ended while it was copied into the store")
     if tail:
-        os.pwrite(sink, tail, copied)
+        pwrite_all(sink, tail, copied)
     return size
 
 
@@ -541,7 +576,10 @@ class _LocalWriter(ObjectWriter):
         self.sink.flush()
         os.fsync(self.sink.fileno())
         self.sink.close()
-        os.replace(self.temporary, self.target)
+        try:
+            _place(self.temporary, self.target, sha256)
+        finally:
+            self.temporary.unlink(missing_ok=True)
         return StoredObject(self.key, self.size, sha256)
 
     def _discard(self) -> None:
