@@ -6,6 +6,9 @@ Layout under the root (``FARM_CACHE_DIR/blobs``):
   ``<cache_key>.manifest``  what the blob was verified against (the edge: its signed
                             manifest), bound to the very file by a stamp; mtime = last use
   ``partial/<cache_key>``   a download in progress or broken off, resumed from its size
+  ``partial/<cache_key>.parts``  a download in signed parts, never resumed
+  ``partial/<cache_key>.lock``   held (``flock``) by the one process downloading the blob
+                            into this cache (`farm.edge.agent`); gone when it is done
 
 Only verified files are ever renamed into place (``os.replace``), so a reader never sees a
 half-written blob. The cache may sit in a folder others can write: no write follows a link

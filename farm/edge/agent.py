@@ -13,6 +13,7 @@ boto3 or FastAPI.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -20,7 +21,7 @@ import shutil
 import socket
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -218,19 +219,23 @@ class EdgeAgent:
         if cached is not None:
             return Fetched(cache_key, cached, verified, downloaded=False)
         partial = self.cache.partial_path(cache_key)
-        self._ensure_room(manifest.size_bytes - _size(partial))
-        path = self._fetched_in_parts(record, manifest, partial, signed, progress)
-        if path is not None:
-            return Fetched(cache_key, path, verified, downloaded=True)
-        digest = self._download(cache_key, partial, manifest.size_bytes, progress)
-        actual = digest or hashing.sha256_file(partial)
-        if actual != manifest.sha256:
-            partial.unlink(missing_ok=True)
-            raise IntegrityMismatch(
-                f"downloaded blob {cache_key} has sha256 {actual}, its signed manifest says "
-                f"{manifest.sha256}; deleted, not imported"
-            )
-        path = self.cache.put(cache_key, partial, signed)
+        with _downloading(partial):
+            cached = self._cached(manifest, signed)  # put by the process this one waited for
+            if cached is not None:
+                return Fetched(cache_key, cached, verified, downloaded=False)
+            self._ensure_room(manifest.size_bytes - _size(partial))
+            path = self._fetched_in_parts(record, manifest, partial, signed, progress)
+            if path is not None:
+                return Fetched(cache_key, path, verified, downloaded=True)
+            digest = self._download(cache_key, partial, manifest.size_bytes, progress)
+            actual = digest or hashing.sha256_file(partial)
+            if actual != manifest.sha256:
+                partial.unlink(missing_ok=True)
+                raise IntegrityMismatch(
+                    f"downloaded blob {cache_key} has sha256 {actual}, its signed manifest says "
+                    f"{manifest.sha256}; deleted, not imported"
+                )
+            path = self.cache.put(cache_key, partial, signed)
         return Fetched(cache_key, path, verified, downloaded=True)
 
     def _fetched_in_parts(
@@ -428,6 +433,32 @@ class EdgeAgent:
                 f"the blob needs {needed} more bytes in {self.cache.root} but only {free} are "
                 "free; free some space or set FARM_CACHE_DIR / FARM_CACHE_MAX_BYTES"
             )
+
+
+@contextlib.contextmanager
+def _downloading(partial: Path) -> Iterator[None]:
+    """Held while this process downloads a blob into `partial` and puts it into the cache:
+    another process pulling the same blob into the same cache waits here, then finds it
+    cached. (The one stream's hash is of the bytes received, not of the file: a second
+    writer of the same partial file could empty its start under a download that then
+    passed its check.) The lock file goes when released; a waiter left holding a file no
+    longer at its name takes the lock again."""
+    path = partial.with_name(f"{partial.name}.lock")
+    while True:
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _same_file(lock, path):
+                break
+        except BaseException:
+            os.close(lock)
+            raise
+        os.close(lock)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while held: no other process holds this file
+        os.close(lock)
 
 
 def _same_file(descriptor: int, path: Path) -> bool:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import re
 import resource
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -41,6 +45,9 @@ class SwappingProxy:
         self.redirect = False
         self.announce = True
         self.downloads: list[str] = []
+        self.hold_at: int | None = None
+        """The first download stops after this many bytes until `release` is set."""
+        self.holding, self.release = threading.Event(), threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +84,8 @@ class SwappingProxy:
             if key in self.fit:
                 body = body[: self.fit[key]].ljust(self.fit[key], b"\0")
             body += b"\0" * self.padding.get(key, 0)
+            if self.hold_at is not None and len(self.downloads) == 1:
+                return self.send_held(request, body, self.hold_at)
             return self.send(request, status, body, headers, self.announce)
         if match and request.command == "GET" and match[1] in self.records:
             status, headers, body = self.forward(
@@ -102,6 +111,18 @@ class SwappingProxy:
             return response.status, kept, response.read()
         finally:
             connection.close()
+
+    def send_held(self, request, body: bytes, hold_at: int) -> None:
+        request.send_response(200)
+        request.send_header("Content-Length", str(len(body)))
+        request.send_header("Connection", "close")
+        request.end_headers()
+        request.close_connection = True
+        request.wfile.write(body[:hold_at])
+        request.wfile.flush()
+        self.holding.set()
+        self.release.wait(120)
+        request.wfile.write(body[hold_at:])
 
     @staticmethod
     def send(request, status: int, body: bytes, headers: dict, announce: bool = True) -> None:
@@ -257,3 +278,43 @@ def test_the_genuine_path_through_the_proxy_imports_and_caches(two_blobs):
     assert Path(pulled["path"]).read_bytes() == stored(farm, farm.key)
     assert ok_json(env, "pull", farm.key, "--import")["downloaded"] is False
     assert proxy.downloads == [farm.key]
+
+
+def test_two_pulls_of_one_blob_at_once_download_it_once_and_both_get_its_bytes(two_blobs):
+    """Two `farm pull` processes sharing one edge cache, the second started while the first is
+    three quarters through the one-stream download: it waits for the first, then takes the
+    blob from the cache. (Both writing the one partial file, the first accepted a file whose
+    start the second had emptied: its hash was of the bytes it received, not of the file.)"""
+    farm, _, proxy = two_blobs
+    key = farm.key
+    size = len(stored(farm, key))
+    proxy.hold_at = size * 3 // 4
+    env = {**os.environ, **farm.edge_env(url=proxy.url)}
+    command = [sys.executable, "-m", "farm", "pull", key, "--json"]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proxy.holding.wait(120), "the first pull never started its download"
+        second = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120  # until it waits for the first, or downloads too
+        while len(proxy.downloads) < 2 and not waits_for_a_lock(second.pid):
+            assert time.monotonic() < deadline, "the second pull neither waited nor downloaded"
+            assert second.poll() is None, second.stderr.read() if second.stderr else ""
+            time.sleep(0.05)
+    finally:
+        proxy.release.set()
+    outputs = [process.communicate(timeout=300) for process in (first, second)]
+    for process, (_, err) in zip((first, second), outputs, strict=True):
+        assert process.returncode == 0, err.decode()
+    answers = [json.loads(out) for out, _ in outputs]
+    assert [answer["downloaded"] for answer in answers] == [True, False]
+    assert proxy.downloads == [key]
+    assert (farm.blob_cache / f"{key}.blob").read_bytes() == stored(farm, key)
+    assert cache_files(farm) == [f"{key}.blob", f"{key}.manifest"]
+
+
+def waits_for_a_lock(pid: int) -> bool:
+    """Whether process `pid` is blocked waiting for a file lock (`/proc/locks`: "->")."""
+    waiting = (line.split() for line in Path("/proc/locks").read_text().splitlines())
+    return any(
+        fields[1] == "->" and fields[5] == str(pid) for fields in waiting
+    )  # N: -> FLOCK ADVISORY WRITE PID
