@@ -399,6 +399,7 @@ class FarmClient:
         """A bundle file's bytes from `offset` on (a presigned redirect followed)."""
         ranged = {"Range": f"bytes={offset}-"} if offset else {}
         path = f"/v1/bundle-files/{sha256}"
+        owner = None  # the client of a redirect's own: closed with the reader
         try:
             request = self.http.build_request("GET", path, headers=ranged)
             response = self.http.send(request, stream=True, follow_redirects=False)
@@ -406,10 +407,13 @@ class FarmClient:
                 location = response.headers["location"]
                 response.close()
                 request = httpx.Request("GET", location, headers=ranged)
-                response = httpx.Client(timeout=DOWNLOAD_TIMEOUT_SECONDS).send(request, stream=True)
+                owner = httpx.Client(timeout=DOWNLOAD_TIMEOUT_SECONDS)
+                response = owner.send(request, stream=True)
         except httpx.TransportError as error:
+            if owner is not None:
+                owner.close()
             raise ApiError(0, "unreachable", f"download of {sha256} failed: {error}") from error
-        return _BodyReader.checked(response, offset)
+        return _BodyReader.checked(response, offset, owner)
 
     def _download(
         self,
