@@ -204,7 +204,7 @@ def test_a_blob_over_its_limit_fails_the_job_before_anything_is_uploaded(
 # --- the worker takes only a regular file out of the child's folder ----------------------------
 
 
-@pytest.mark.parametrize("planted", ["symlink", "hard link", "fifo"])
+@pytest.mark.parametrize("planted", ["symlink", "hard link", "fifo", "directory"])
 def test_the_worker_takes_no_link_or_fifo_from_the_compile_folder_for_a_blob(tmp_path, planted):
     """The compile user owns its folder: it could leave there, under the blob's name, a link to
     a file of the worker's (the signing key) for the worker to upload and sign."""
@@ -218,8 +218,11 @@ def test_the_worker_takes_no_link_or_fifo_from_the_compile_folder_for_a_blob(tmp
         written.symlink_to(secret)
     elif planted == "hard link":
         os.link(secret, written)
-    else:
+    elif planted == "fifo":
         os.mkfifo(written)
+    else:  # renamed as root, it was then unlinked as a file: IsADirectoryError, retried
+        written.mkdir()
+        (written / "inside").write_text("x")
     with pytest.raises(errors.CompileError, match="something other than a blob file"):
         sandbox._take_blob(written, out / "k.blob")
     assert list(out.iterdir()) == []

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import mmap
 import os
+import stat
 import subprocess
 import sys
 
@@ -451,6 +452,24 @@ def test_a_short_write_of_the_uncached_copys_tail_stores_nothing(tmp_path):
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["refused", "EFBIG", "stored:", "False", "leftovers:", "0"]
+
+
+def test_an_object_is_named_on_the_disk_before_the_store_returns(store, tmp_path, monkeypatch):
+    """The file is flushed, and then its folder: a crash after the row's commit must not lose
+    the name the row records."""
+    flushed = []
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        info = os.fstat(descriptor)
+        flushed.append("folder" if stat.S_ISDIR(info.st_mode) else "file")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    given = tmp_path / "given"
+    given.write_bytes(b"blob bytes")
+    store.adopt_file("blobs/k.blob", given)
+    assert flushed == ["file", "folder"]
 
 
 SHORT_TAIL = """

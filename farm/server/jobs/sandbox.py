@@ -1108,8 +1108,11 @@ def _allows(info: os.stat_result, uid: int, gid: int, access: int) -> bool:
 def _take_blob(written: Path, dest: Path) -> Path:
     """Move the blob out of the box into `dest`, refusing anything but a regular file of its
     own: the box belongs to the compile user, who could have left a link to a file of the
-    worker's there (the signing key), for the worker to upload."""
+    worker's there (the signing key), for the worker to upload. Anything else (a directory,
+    a FIFO) is refused where it is, and goes with the box."""
     try:
+        if not _a_blob_file(os.lstat(written)):
+            raise _not_a_blob(written)
         os.replace(written, dest)  # moves the entry itself, a link as a link
     except FileNotFoundError:
         raise errors.CompileError(f"OpenVINO compiled but wrote no blob to {written}") from None
@@ -1117,8 +1120,11 @@ def _take_blob(written: Path, dest: Path) -> Path:
         if error.errno != errno.EXDEV:
             raise
         _copy_blob(written, dest)  # another file system than `dest`'s
-    if not _a_blob_file(os.lstat(dest)):
-        dest.unlink()
+    if not _a_blob_file(os.lstat(dest)):  # swapped after the check
+        if stat.S_ISDIR(os.lstat(dest).st_mode):
+            shutil.rmtree(dest)  # its links are removed, never followed
+        else:
+            dest.unlink()
         raise _not_a_blob(written)
     return dest
 

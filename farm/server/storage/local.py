@@ -339,6 +339,18 @@ def _place(temporary: Path, target: Path, sha256: str) -> None:
                 f"{target.name} is already stored with sha256 {found}, not {sha256}; objects "
                 "are write-once, so this is a conflict to investigate"
             ) from None
+        return
+    _sync_folder(target.parent)  # the name on the disk too, before a row records it
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries: a file flushed and then named can lose its name in a crash
+    until the folder is flushed too."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _check_digest(key: str, sha256: str, expected: str | None) -> None:
@@ -465,12 +477,14 @@ def _open_given_up(path: str | Path) -> int:
     """The file at `path` (never through a link), opened for writing too where this process
     may write it, so that a file given up can be punched out as it is copied; read-only
     elsewhere (a worker that is not root, copying the compile user's blob)."""
+    # O_NONBLOCK: a FIFO in the file's place opens at once (and is refused as not a regular
+    # file) instead of waiting for a writer.
     try:
-        return os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
         if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ETXTBSY, errno.EISDIR):
             raise
-    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 def _writable(descriptor: int) -> bool:
