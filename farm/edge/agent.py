@@ -48,6 +48,10 @@ DOWNLOAD_ATTEMPTS = 5
 """Tries of one download; each resumes where the last broke off."""
 RETRY_BACKOFF_SECONDS = 0.5
 """First pause between tries; doubles after each."""
+TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
+"""Download answers another try may not get: none at all (0, the network), too many requests,
+and a server's passing fault (S3 asks for its 503 SlowDown and 500 InternalError to be
+retried)."""
 DISK_MARGIN_BYTES = 64 * 2**20
 """Free space kept besides the blob itself: a download that would fill the disk is refused."""
 
@@ -408,8 +412,8 @@ class EdgeAgent:
                     "the partial download was removed"
                 ) from error
             except ApiError as error:
-                if error.status != 0 or attempt == DOWNLOAD_ATTEMPTS:
-                    raise  # refused by the farm, or the network stays down
+                if error.status not in TRANSIENT_STATUSES or attempt == DOWNLOAD_ATTEMPTS:
+                    raise  # refused by the farm, or the fault stays
                 time.sleep(pause)
                 pause *= 2
                 continue

@@ -45,6 +45,8 @@ class SwappingProxy:
         self.redirect = False
         self.announce = True
         self.downloads: list[str] = []
+        self.failures: list[int] = []
+        """Statuses the next downloads are answered with, as S3 under load (503 SlowDown)."""
         self.hold_at: int | None = None
         """The first download stops after this many bytes until `release` is set."""
         self.holding, self.release = threading.Event(), threading.Event()
@@ -76,6 +78,9 @@ class SwappingProxy:
         if presigned or (match and match[2]):
             key = path.removeprefix("/presigned/") if presigned else match[1]
             self.downloads.append(key)
+            if self.failures:
+                error = b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"
+                return self.send(request, self.failures.pop(0), error, {})
             if self.redirect and not presigned:
                 return self.send(request, 307, b"", {"Location": f"{self.url}/presigned/{key}"})
             status, headers, body = self.forward(
@@ -318,3 +323,19 @@ def waits_for_a_lock(pid: int) -> bool:
     return any(
         fields[1] == "->" and fields[5] == str(pid) for fields in waiting
     )  # N: -> FLOCK ADVISORY WRITE PID
+
+
+def test_a_download_answered_with_a_passing_fault_is_tried_again(two_blobs):
+    """S3 answers 503 SlowDown and 500 InternalError under load, and asks to be tried again."""
+    farm, _, proxy = two_blobs
+    proxy.failures = [503, 500]
+    pulled = ok_json(farm.edge_env(url=proxy.url), "pull", farm.key, "--import")
+    assert pulled["downloaded"] is True
+    assert Path(pulled["path"]).read_bytes() == stored(farm, farm.key)
+    assert proxy.downloads == [farm.key] * 3
+
+    proxy.failures = [404]  # a refusal is not tried again
+    (farm.blob_cache / f"{farm.key}.blob").unlink()
+    refused = run_farm(farm.edge_env(url=proxy.url), "pull", farm.key)
+    assert refused.returncode != 0
+    assert proxy.downloads == [farm.key] * 4
