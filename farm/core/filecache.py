@@ -247,3 +247,14 @@ def _checked(cache_key: str) -> str:
     if not _KEY.match(cache_key):
         raise CacheError(f"{cache_key!r} is not a cache key (64 hex characters)")
     return cache_key
+
+
+def same_file(descriptor: int, path: Path) -> bool:
+    """Whether `path` names the file open as `descriptor` (a lock taken on a file that was
+    then removed or replaced holds nothing at `path`)."""
+    try:
+        at_path = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(descriptor)
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)

@@ -37,7 +37,7 @@ from farm.core.errors import (
     NotFound,
     SignatureError,
 )
-from farm.core.filecache import BlobCache
+from farm.core.filecache import BlobCache, same_file
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.core.status import verify_status
@@ -280,7 +280,7 @@ class EdgeAgent:
             except OSError:
                 return None  # another process downloads these parts now
             held = True
-            if not _same_file(lock, target):
+            if not same_file(lock, target):
                 return None  # put into the cache, or removed, by the process that held it
             self._ensure_room(manifest.size_bytes)
             try:
@@ -298,7 +298,7 @@ class EdgeAgent:
                 ) from None
             return self.cache.put(manifest.cache_key, target, signed)  # each part checked
         finally:
-            if held and _same_file(lock, target):  # not in the cache: a lock file, or nothing
+            if held and same_file(lock, target):  # not in the cache: a lock file, or nothing
                 target.unlink(missing_ok=True)
             os.close(lock)
 
@@ -452,7 +452,7 @@ def _downloading(partial: Path) -> Iterator[None]:
         lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if _same_file(lock, path):
+            if same_file(lock, path):
                 break
         except BaseException:
             os.close(lock)
@@ -463,16 +463,6 @@ def _downloading(partial: Path) -> Iterator[None]:
     finally:
         path.unlink(missing_ok=True)  # while held: no other process holds this file
         os.close(lock)
-
-
-def _same_file(descriptor: int, path: Path) -> bool:
-    """Whether `path` names the file open as `descriptor`."""
-    try:
-        at_path = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(descriptor)
-    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _same_key(asked: str, blob: Mapping[str, Any]) -> None:

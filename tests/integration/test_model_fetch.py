@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +72,59 @@ def test_the_fetch_into_its_mkstemp_file_never_opens_it_to_truncate(
     flags_seen = file_opens["flags"]
     assert flags_seen and not any(flags & os.O_TRUNC for flags in flags_seen)
     assert not any("w" in mode for mode in modes_seen)
+
+
+def test_a_fetch_killed_midway_leaves_no_file_behind_once_the_cache_opens_again(tmp_path):
+    """A worker killed mid-fetch (the OOM killer, a container stopped) left its partial file for
+    good, where the cache's cap never counts it; a fetch another process is making stays."""
+    cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    abandoned = cache.partial_dir / f"{'a' * 64}.killed"
+    abandoned.write_bytes(b"\0" * 4096)
+    in_progress = cache.partial_dir / f"{'b' * 64}.fetching"
+    in_progress.write_bytes(b"\0" * 4096)
+    holder = subprocess.Popen(  # holds its file as `_fetch` does: locked until it ends
+        [sys.executable, "-c", HOLD_LOCKED, str(in_progress)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        model_cache.open_model_cache(tmp_path / "cache", 2**30)
+        assert sorted(p.name for p in cache.partial_dir.iterdir()) == [in_progress.name]
+    finally:
+        holder.kill()
+        holder.communicate()
+    model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    assert list(cache.partial_dir.iterdir()) == []
+
+
+def test_a_fetch_holds_its_file_until_it_is_cached(s3_store, tmp_path, monkeypatch):
+    """So that another worker process opening the cache meanwhile leaves it."""
+    data = os.urandom(3 * 2**20 + 5)
+    digest = hashlib.sha256(data).hexdigest()
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    key = model_storage_key(digest)
+    s3_store.put_file(key, source, expected_sha256=digest)
+    cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    swept_during = []
+    fetch = model_cache.download_hashed
+
+    def download_hashed(store, storage_key, dest):
+        answer = fetch(store, storage_key, dest)
+        swept_during.append(model_cache.remove_abandoned_fetches(cache.partial_dir))
+        return answer
+
+    monkeypatch.setattr(model_cache, "download_hashed", download_hashed)
+    model_cache.link_model_file(cache, s3_store, key, digest, tmp_path / "m.bin")
+    assert swept_during == [[]]
+    assert (tmp_path / "m.bin").read_bytes() == data
+
+
+HOLD_LOCKED = """
+import fcntl, os, sys, time
+descriptor = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""

@@ -11,6 +11,7 @@ compile child, another user, reaches only the files its own job links into its b
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import logging
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from farm.core.emptied import open_emptied, pwrite_all
 from farm.core.errors import IntegrityMismatch, StorageError
-from farm.core.filecache import BlobCache
+from farm.core.filecache import BlobCache, same_file
 from farm.core.hashing import sha256_file
 from farm.server.storage import BlobStore
 
@@ -31,10 +32,38 @@ log = logging.getLogger(__name__)
 
 
 def open_model_cache(root: Path, max_bytes: int) -> BlobCache:
-    """The worker's model cache at `root`, closed to every other user (the compile user)."""
+    """The worker's model cache at `root`, closed to every other user (the compile user); the
+    files of fetches that no process is making any more are deleted."""
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o700)
-    return BlobCache(root, max_bytes)
+    cache = BlobCache(root, max_bytes)
+    remove_abandoned_fetches(cache.partial_dir)
+    return cache
+
+
+def remove_abandoned_fetches(folder: Path) -> list[str]:
+    """Delete the files in `folder` that no fetch holds (`_fetch` holds its file locked from
+    its creation to its place in the cache); their names. A worker killed mid-fetch (the OOM
+    killer, a container stopped) left its file there for good, where the cache's cap never
+    counts it."""
+    removed = []
+    for entry in folder.iterdir():
+        try:
+            descriptor = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if same_file(descriptor, entry):
+                entry.unlink()
+                removed.append(entry.name)
+        except OSError:
+            continue  # a fetch in progress
+        finally:
+            os.close(descriptor)
+    if removed:
+        log.info("removed %d abandoned model fetches: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def link_model_file(
@@ -54,10 +83,7 @@ def link_model_file(
 
 
 def _fetch(cache: BlobCache, store: BlobStore, storage_key: str, sha256: str) -> Path:
-    # A name of our own: other worker processes on this host may fetch the same file now.
-    handle, name = tempfile.mkstemp(dir=cache.partial_dir, prefix=f"{sha256}.")
-    os.close(handle)
-    partial = Path(name)
+    handle, partial = _fetch_file(cache.partial_dir, sha256)
     try:
         actual = download_hashed(store, storage_key, partial)
         if actual != sha256:
@@ -68,6 +94,19 @@ def _fetch(cache: BlobCache, store: BlobStore, storage_key: str, sha256: str) ->
         return cache.put(sha256, partial)
     finally:
         partial.unlink(missing_ok=True)
+        os.close(handle)
+
+
+def _fetch_file(folder: Path, sha256: str) -> tuple[int, Path]:
+    """A new file of this fetch's own (other worker processes on this host may fetch the same
+    model now), held locked until the fetch ends, so that `remove_abandoned_fetches` leaves
+    it; it is made again if that took it before the lock."""
+    while True:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=f"{sha256}.")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if same_file(handle, Path(name)):
+            return handle, Path(name)
+        os.close(handle)
 
 
 FETCH_PART_BYTES = 16 * 2**20
