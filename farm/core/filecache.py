@@ -27,12 +27,17 @@ ctime, a chmod ctime, a file renamed or copied into its place has another inode,
 sets ctime back. So a stamp that still matches means the bytes are the ones that were hashed,
 for the price of one ``stat`` instead of hashing the whole blob on every use. A blob with a
 manifest is never touched after the stamp is taken: its last use goes on the manifest file.
+The stamp also names the machine's boot (`boot_id`): downloads are not flushed to the disk
+(that would cost them a second pass over the disk), and a file written just before a crash or
+a power loss can come back its full size, stamp unchanged, with ranges of zeros. After a
+restart every blob is hashed once more before its first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -236,11 +241,25 @@ def _remove_unless_held(path: Path) -> bool:
     return True
 
 
-def _stamp(path: Path) -> list[int]:
+def _stamp(path: Path) -> list[int | str]:
     """What changes whenever the file does (module docstring): device, inode, size, mtime and
-    ctime in nanoseconds."""
+    ctime in nanoseconds; and this boot of the machine."""
     stat = path.stat()
-    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, boot_id()]
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+"""Linux's random id of the running boot (elsewhere there is none)."""
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot of the machine: a file written without a flush in an earlier boot may have
+    lost bytes in a crash (module docstring). "" where the system does not say."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
 
 
 def _checked(cache_key: str) -> str:

@@ -128,3 +128,20 @@ fcntl.flock(descriptor, fcntl.LOCK_EX)
 print("locked", flush=True)
 time.sleep(600)
 """
+
+
+def test_model_files_fetched_before_the_host_restarted_are_fetched_again(tmp_path, monkeypatch):
+    """A fetch is not flushed, and a cached file is never hashed again: after a crash one
+    could come back with ranges of zeros. A job's own link keeps its bytes."""
+    cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    fetched = tmp_path / "fetched"
+    fetched.write_bytes(b"model bytes")
+    digest = hashlib.sha256(b"model bytes").hexdigest()
+    os.link(cache.put(digest, fetched), tmp_path / "job-link")
+    assert model_cache.open_model_cache(tmp_path / "cache", 2**30).get(digest) is not None
+    monkeypatch.setattr(model_cache, "boot_id", lambda: "a boot after a crash")
+    reopened = model_cache.open_model_cache(tmp_path / "cache", 2**30)
+    assert reopened.get(digest) is None
+    assert (tmp_path / "job-link").read_bytes() == b"model bytes"
+    assert (tmp_path / "cache" / "boot").read_text() == "a boot after a crash"
+    assert model_cache.forget_another_boots_files(reopened) == []  # once per boot

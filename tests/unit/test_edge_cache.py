@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from farm.core import filecache
 from farm.core.blobformat import read_header
 from farm.core.filecache import BlobCache, CacheError
 from farm.core.hashing import model_files
@@ -150,3 +151,21 @@ def test_the_drop_in_entry_and_an_export_never_write_through_a_planted_link(tmp_
     assert sorted(p.name for p in shared.iterdir()) == sorted(
         [f"{key('a')}.blob", f".{key('a')}.blob.partial"]  # the old link, left alone
     )
+
+
+def test_a_blob_bound_before_the_machine_restarted_is_hashed_again(tmp_path, monkeypatch):
+    """Downloads are not flushed: after a crash a blob can come back its full size, stamp
+    unchanged, with ranges of zeros. A binding vouches for its file within one boot."""
+    cache = BlobCache(tmp_path / "cache")
+    source = tmp_path / "verified"
+    source.write_bytes(b"blob")
+    cache.put(key("a"), source, {"sha256": "its digest"})
+    assert cache.manifest(key("a")) == {"sha256": "its digest"}
+    monkeypatch.setattr(filecache, "boot_id", lambda: "a boot after a crash")
+    assert cache.manifest(key("a")) is None  # not bound: the agent hashes the file again
+    cache.bind(key("a"), {"sha256": "its digest"})
+    assert cache.manifest(key("a")) == {"sha256": "its digest"}
+
+
+def test_the_boot_is_linuxs_own_id():
+    assert filecache.boot_id() == filecache.BOOT_ID.read_text().strip() != ""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from farm.core.emptied import open_emptied, pwrite_all
 from farm.core.errors import IntegrityMismatch, StorageError
-from farm.core.filecache import BlobCache, same_file
+from farm.core.filecache import BlobCache, boot_id, same_file, write_atomically
 from farm.core.hashing import sha256_file
 from farm.server.storage import BlobStore
 
@@ -38,7 +38,29 @@ def open_model_cache(root: Path, max_bytes: int) -> BlobCache:
     root.chmod(0o700)
     cache = BlobCache(root, max_bytes)
     remove_abandoned_fetches(cache.partial_dir)
+    forget_another_boots_files(cache)
     return cache
+
+
+def forget_another_boots_files(cache: BlobCache) -> list[str]:
+    """Delete the cached model files of an earlier boot of this host; their digests. A fetch
+    does not flush its file to the disk (the compile reads it from memory next), so a file
+    fetched just before a crash or a power loss can come back its full size with ranges of
+    zeros, and nothing hashes a cached file again: it is fetched again instead. Jobs keep the
+    files they linked."""
+    marker = cache.root / "boot"
+    with contextlib.suppress(FileNotFoundError):
+        if marker.read_text() == boot_id():
+            return []
+    forgotten = []
+    for entry in cache.entries():
+        entry.path.unlink(missing_ok=True)
+        forgotten.append(entry.cache_key)
+    with write_atomically(marker) as sink:  # not in partial/: the sweep there takes any file
+        sink.write(boot_id().encode())
+    if forgotten:
+        log.info("forgot %d model files fetched before this host started", len(forgotten))
+    return forgotten
 
 
 def remove_abandoned_fetches(folder: Path) -> list[str]:
