@@ -9,6 +9,9 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -496,3 +499,23 @@ discard_prestaged()
 print("stored:", store.exists(f"models/{sha}"))
 print("leftovers:", sum(1 for p in (root / "store").rglob("*") if p.is_file()))
 """
+
+
+def test_a_copy_the_kernel_cannot_make_stops_when_told(tmp_path):
+    """Across file systems (`copy_file_range`: EXDEV) the copy is read and written here; a
+    discarded copy stops there too, instead of going on for the whole model."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as elsewhere:
+        source = Path(elsewhere) / "model.bin"
+        source.write_bytes(os.urandom(8 * local.CHUNK_BYTES))
+        with open(source, "rb") as reader, open(tmp_path / "copy", "wb") as sink:
+            try:
+                os.copy_file_range(reader.fileno(), sink.fileno(), 1)
+                pytest.skip("the kernel copies across these file systems here")
+            except OSError as error:
+                assert error.errno == errno.EXDEV
+            stop = threading.Event()
+            stop.set()
+            copied = local._copy(reader.fileno(), sink.fileno(), stop)
+    assert copied < local.CHUNK_BYTES * 2

@@ -308,8 +308,10 @@ class _Prestaged:
 
     def discard(self) -> None:
         self.stop.set()
-        self.thread.join()
-        self.temporary.unlink(missing_ok=True)
+        try:
+            self.thread.join()
+        finally:  # a second Ctrl-C while it waits leaves no model-sized file in the store
+            self.temporary.unlink(missing_ok=True)
 
 
 _PRESTAGED: dict[str, _Prestaged] = {}
@@ -510,7 +512,8 @@ def _copy(source: int, sink: int, stop: threading.Event | None = None) -> int:
         os.lseek(sink, 0, os.SEEK_SET)
         os.ftruncate(sink, 0)
         with open(source, "rb", closefd=False) as reader, open(sink, "wb", closefd=False) as out:
-            shutil.copyfileobj(reader, out, CHUNK_BYTES)
+            while (chunk := reader.read(CHUNK_BYTES)) and not (stop and stop.is_set()):
+                out.write(chunk)
         copied = os.fstat(sink).st_size
     return copied
 
