@@ -519,3 +519,24 @@ def test_a_copy_the_kernel_cannot_make_stops_when_told(tmp_path):
             stop.set()
             copied = local._copy(reader.fileno(), sink.fileno(), stop)
     assert copied < local.CHUNK_BYTES * 2
+
+
+def test_a_file_swapped_before_it_is_moved_is_refused_untouched(store, tmp_path, monkeypatch):
+    """The checks are made on the file opened; if its name pointed elsewhere by the time it is
+    moved (a link to the signing key, say), that is refused and its target left as it is."""
+    given, secret = tmp_path / "given", tmp_path / "signing.pem"
+    given.write_bytes(b"blob")
+    secret.write_bytes(b"PRIVATE KEY")
+    secret.chmod(0o640)
+    moved = local._moved
+
+    def swapped_first(path, temporary):
+        os.unlink(path)
+        os.symlink(secret, path)
+        return moved(path, temporary)
+
+    monkeypatch.setattr(local, "_moved", swapped_first)
+    with pytest.raises(StorageError, match="changed while it was stored"):
+        store.adopt_file("blobs/k.blob", given)
+    assert not store.exists("blobs/k.blob") and leftovers(store) == []
+    assert secret.read_bytes() == b"PRIVATE KEY" and secret.stat().st_mode & 0o777 == 0o640

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.emptied import pwrite_all
+from farm.core.filecache import same_file
 from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.identity import FileVersion, version_now, version_of
 from farm.server.storage import (
@@ -169,6 +170,8 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             # of theirs holding it open; one with a second name, through that name: copied,
             # and the copy hashed, never the file.
             if info.st_uid == os.geteuid() and info.st_nlink == 1 and _moved(path, temporary):
+                if not same_file(descriptor, temporary):  # `path` named another file by then
+                    raise StorageError(f"{path} changed while it was stored; not stored")
                 return self._commit_own(key, temporary, target, expected_sha256)
             with open(temporary, "x+b") as sink:  # read too: the copy is hashed
                 os.fchmod(sink.fileno(), 0o600)
