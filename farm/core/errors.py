@@ -318,6 +318,10 @@ class ChecksumMismatch(StorageError):
     code = "digest_mismatch"
 
 
+class AlreadyStored(ChecksumMismatch):
+    """The key holds an object already, with other bytes: objects are written once."""
+
+
 class ServiceUnavailable(FarmError):
     """The database, broker or store does not answer (or is misconfigured)."""
 

@@ -540,3 +540,38 @@ def test_a_file_swapped_before_it_is_moved_is_refused_untouched(store, tmp_path,
         store.adopt_file("blobs/k.blob", given)
     assert not store.exists("blobs/k.blob") and leftovers(store) == []
     assert secret.read_bytes() == b"PRIVATE KEY" and secret.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])
+def test_a_file_system_without_hard_links_still_stores_once(store, tmp_path, monkeypatch, refusal):
+    """FAT, exFAT and some shared folders refuse `link`: the object is checked, then renamed."""
+
+    def no_links(source, target):
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(os, "link", no_links)
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.write_bytes(b"A" * 1000)
+    other.write_bytes(b"B" * 1000)
+    recorded = store.adopt_file("blobs/k.blob", first).sha256
+    with pytest.raises(ChecksumMismatch, match="write-once"):
+        store.adopt_file("blobs/k.blob", other)
+    assert hashlib.sha256(store.local_path("blobs/k.blob").read_bytes()).hexdigest() == recorded
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_a_folder_the_file_system_cannot_flush_still_stores(store, tmp_path, monkeypatch):
+    """CIFS and some FUSE mounts refuse to fsync a folder (EINVAL): the object is stored, and
+    the call says so, rather than failing after the object took its name."""
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    given = tmp_path / "given"
+    given.write_bytes(b"blob")
+    assert store.adopt_file("blobs/k.blob", given).size == 4
+    assert store.local_path("blobs/k.blob").read_bytes() == b"blob"

@@ -26,7 +26,13 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core import compression, sources
-from farm.core.errors import ChecksumMismatch, CompileCancelled, CompileError, ConversionError
+from farm.core.errors import (
+    AlreadyStored,
+    ChecksumMismatch,
+    CompileCancelled,
+    CompileError,
+    ConversionError,
+)
 from farm.core.hashing import sha256_file
 from farm.core.identity import ModelInfo
 from farm.core.spec import CompileSpec
@@ -313,6 +319,8 @@ def _store_files(
             continue
         try:  # a local store moves it: no copy
             store.adopt_file(store_key, path, expected_sha256=identity[role])
+        except AlreadyStored:  # the store's object under this digest is not its bytes
+            raise
         except ChecksumMismatch:  # nothing stored: what the child reported is not its output
             raise ConversionError(f"{stage.kind}: its output {role} changed while stored") from None
         # A local store took the file given up (moved, or copied and the file emptied as it

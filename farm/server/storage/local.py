@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from farm.core.emptied import pwrite_all
+from farm.core.errors import AlreadyStored
 from farm.core.filecache import same_file
 from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.identity import FileVersion, version_now, version_of
@@ -334,26 +335,48 @@ def _place(temporary: Path, target: Path, sha256: str) -> None:
     unless an object is stored there already: objects are written once, as S3's
     `If-None-Match: *` keeps them, so a row that recorded an object's digest never names
     bytes put there after it. The same bytes there already are fine; other bytes are a
-    ChecksumMismatch. `temporary` is left for the caller to remove."""
+    ChecksumMismatch. `temporary` is left for the caller to remove.
+
+    A hard link names the file only where no object is there; a file system without hard
+    links (FAT, exFAT, some shared folders and FUSE mounts) gets a check, then a rename: this
+    store is one machine's, and a rename over an object written in between is all it risks."""
     try:
         os.link(temporary, target)
     except FileExistsError:
-        found = sha256_file(target)
-        if found != sha256:
-            raise ChecksumMismatch(
-                f"{target.name} is already stored with sha256 {found}, not {sha256}; objects "
-                "are write-once, so this is a conflict to investigate"
-            ) from None
-        return
+        _check_stored(target, sha256)
+    except OSError as error:
+        if error.errno not in NO_HARD_LINKS:
+            raise
+        if target.exists():
+            _check_stored(target, sha256)
+        else:
+            os.replace(temporary, target)
     _sync_folder(target.parent)  # the name on the disk too, before a row records it
+
+
+NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+"""What `link` answers on a file system that makes no (more) hard links."""
+
+
+def _check_stored(target: Path, sha256: str) -> None:
+    found = sha256_file(target)
+    if found != sha256:
+        raise AlreadyStored(
+            f"{target.name} is already stored with sha256 {found}, not {sha256}; objects are "
+            "write-once, so this is a conflict to investigate"
+        )
 
 
 def _sync_folder(folder: Path) -> None:
     """Flush a folder's entries: a file flushed and then named can lose its name in a crash
-    until the folder is flushed too."""
+    until the folder is flushed too. File systems that cannot flush a folder (CIFS, some FUSE
+    mounts) say so, and are left as they are: the object is stored either way."""
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
     finally:
         os.close(descriptor)
 

@@ -29,10 +29,10 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from farm.core import hashing
+from farm.core.errors import AlreadyStored
 from farm.server.storage import (
     AbortsStaleUploads,
     BlobStore,
-    ChecksumMismatch,
     ListsObjects,
     ObjectWriter,
     Presigning,
@@ -144,7 +144,7 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
                 existing = StoredObject(key, existing.size, hashing.sha256_stream(body))
         if existing is None or existing.sha256 != sha256:
             found = existing.sha256 if existing else "nothing"
-            raise ChecksumMismatch(
+            raise AlreadyStored(
                 f"{key} is already written with sha256 {found}, not {sha256}; objects are "
                 "write-once, so this is a conflict to investigate"
             )
