@@ -60,6 +60,7 @@ from farm.server.memory import release_free_memory
 from farm.server.storage import (
     BlobStore,
     LocalPaths,
+    StoredObject,
     blob_storage_key,
     model_storage_key,
 )
@@ -393,7 +394,7 @@ def _compile_and_store_steps(
         return _failed(job, message, log_text), none
     with clock.phase("upload"):
         # The blob file is ours to give: a local store moves it in (one read, to hash it).
-        stored = store.adopt_file(blob_storage_key(job.cache_key), result.blob_path)
+        stored = _adopt_blob(sessions, store, job, result.blob_path)
         if prepared is not None and prepared.storing is not None:
             # Beside the blob: the stage's output IR stored and the stage recorded.
             try:
@@ -413,6 +414,21 @@ def _compile_and_store_steps(
         session, store, job, source_row, result, stored, output, signer, plan
     )
     return record, plan
+
+
+def _adopt_blob(sessions, store: BlobStore, job: Job, blob_path: Path) -> StoredObject:
+    """Store the compiled blob under its cache key. Objects are written once, so an object
+    there that no row names (left by an attempt that failed between storing and recording
+    it, or kept by `farm gc` for this job) is deleted first; one a row names stays, and
+    another attempt's equal bytes are fine (`adopt_file` refuses others)."""
+    key = blob_storage_key(job.cache_key)
+    if store.exists(key):
+        with sessions() as session:
+            recorded = session.scalar(select(Blob.id).where(Blob.cache_key == job.cache_key))
+        if recorded is None:
+            log.warning("job %s: deleting %s, stored before with no row naming it", job.id, key)
+            store.delete(key)
+    return store.adopt_file(key, blob_path)
 
 
 def _forget_blob(sessions, store: BlobStore, job: Job) -> None:
