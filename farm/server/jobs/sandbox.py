@@ -1117,16 +1117,26 @@ def _take_blob(written: Path, dest: Path) -> Path:
     except FileNotFoundError:
         raise errors.CompileError(f"OpenVINO compiled but wrote no blob to {written}") from None
     except OSError as error:
-        if error.errno != errno.EXDEV:
+        if error.errno == errno.EXDEV:
+            _copy_blob(written, dest)  # another file system than `dest`'s
+        elif not _a_blob_file_at(written):  # swapped after the check (a directory)
+            raise _not_a_blob(written) from error
+        else:
             raise
-        _copy_blob(written, dest)  # another file system than `dest`'s
     if not _a_blob_file(os.lstat(dest)):  # swapped after the check
         if stat.S_ISDIR(os.lstat(dest).st_mode):
-            shutil.rmtree(dest)  # its links are removed, never followed
+            shutil.rmtree(dest, ignore_errors=True)  # its links are removed, never followed
         else:
             dest.unlink()
         raise _not_a_blob(written)
     return dest
+
+
+def _a_blob_file_at(path: Path) -> bool:
+    try:
+        return _a_blob_file(os.lstat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _copy_blob(written: Path, dest: Path) -> None:
