@@ -14,9 +14,9 @@ from tests.unit.test_rules_cancel import fake_compile, queued_job, run, use_comp
 
 def test_an_object_no_row_names_is_replaced_by_the_blob_compiled_now(
     embedded_farm,
-    queued_job,
+    queued_job,  # noqa: F811 - the fixture, imported above
     tmp_path,
-    monkeypatch,  # noqa: F811
+    monkeypatch,
 ):
     with embedded_farm.session() as session:
         cache_key = session.get(Job, queued_job).cache_key
