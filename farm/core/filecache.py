@@ -253,6 +253,19 @@ BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 @functools.cache
+def booted_at() -> float:
+    """When this boot of the machine started (seconds since the epoch; 0 where the system
+    does not say): a file last written before it may have lost bytes in a crash."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+@functools.cache
 def boot_id() -> str:
     """This boot of the machine: a file written without a flush in an earlier boot may have
     lost bytes in a crash (module docstring). "" where the system does not say."""

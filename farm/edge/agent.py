@@ -37,7 +37,7 @@ from farm.core.errors import (
     NotFound,
     SignatureError,
 )
-from farm.core.filecache import BlobCache, same_file
+from farm.core.filecache import BlobCache, booted_at, same_file
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.core.status import verify_status
@@ -227,6 +227,7 @@ class EdgeAgent:
             cached = self._cached(manifest, signed)  # put by the process this one waited for
             if cached is not None:
                 return Fetched(cache_key, cached, verified, downloaded=False)
+            _forget_if_written_before_this_boot(partial)
             self._ensure_room(manifest.size_bytes - _size(partial))
             path = self._fetched_in_parts(record, manifest, partial, signed, progress)
             if path is not None:
@@ -437,6 +438,15 @@ class EdgeAgent:
                 f"the blob needs {needed} more bytes in {self.cache.root} but only {free} are "
                 "free; free some space or set FARM_CACHE_DIR / FARM_CACHE_MAX_BYTES"
             )
+
+
+def _forget_if_written_before_this_boot(partial: Path) -> None:
+    """Start a download over rather than resume one broken off in an earlier boot: it was not
+    flushed, so a crash may have left ranges of zeros in the prefix it would resume from (its
+    sha256 would then refuse the whole blob, deleted, after the whole download)."""
+    with contextlib.suppress(FileNotFoundError):
+        if partial.stat().st_mtime < booted_at():
+            partial.unlink()
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from farm.core import filecache
 from tests import models
 from tests.integration.test_edge import edge_farm, ok_json, run_farm  # noqa: F401
 
@@ -339,3 +340,26 @@ def test_a_download_answered_with_a_passing_fault_is_tried_again(two_blobs):
     refused = run_farm(farm.edge_env(url=proxy.url), "pull", farm.key)
     assert refused.returncode != 0
     assert proxy.downloads == [farm.key] * 4
+
+
+def test_a_download_broken_off_before_the_machine_restarted_starts_over(two_blobs):
+    """It was not flushed: a crash may have left zeros in the prefix a resume would keep (its
+    sha256 then refused the whole blob, after the whole download). A later one resumes."""
+    farm, _, _ = two_blobs
+    key = farm.key
+    genuine = stored(farm, key)
+    partial = farm.blob_cache / "partial" / key
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.parent.chmod(0o700)
+    partial.write_bytes(b"\0" * (len(genuine) // 2))  # what a crash may leave of the prefix
+    before_boot = filecache.booted_at() - 60
+    os.utime(partial, (before_boot, before_boot))
+    pulled = ok_json(farm.edge_env(), "pull", key, "--import")
+    assert pulled["downloaded"] is True
+    assert Path(pulled["path"]).read_bytes() == genuine
+
+    (farm.blob_cache / f"{key}.blob").unlink()
+    partial.write_bytes(genuine[: len(genuine) // 2])  # broken off in this boot: resumed
+    resumed = ok_json(farm.edge_env(), "pull", key)
+    assert resumed["downloaded"] is True
+    assert Path(resumed["path"]).read_bytes() == genuine

@@ -9,6 +9,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -79,9 +80,13 @@ def test_a_fetch_killed_midway_leaves_no_file_behind_once_the_cache_opens_again(
     good, where the cache's cap never counts it; a fetch another process is making stays."""
     cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
     abandoned = cache.partial_dir / f"{'a' * 64}.killed"
-    abandoned.write_bytes(b"\0" * 4096)
     in_progress = cache.partial_dir / f"{'b' * 64}.fetching"
-    in_progress.write_bytes(b"\0" * 4096)
+    older_version = cache.partial_dir / f"{'c' * 64}.unlocked"  # a fetch that takes no lock
+    an_hour_ago = time.time() - 3600
+    for path in (abandoned, in_progress, older_version):
+        path.write_bytes(b"\0" * 4096)
+    for path in (abandoned, in_progress):
+        os.utime(path, (an_hour_ago, an_hour_ago))
     holder = subprocess.Popen(  # holds its file as `_fetch` does: locked until it ends
         [sys.executable, "-c", HOLD_LOCKED, str(in_progress)],
         stdout=subprocess.PIPE,
@@ -90,12 +95,13 @@ def test_a_fetch_killed_midway_leaves_no_file_behind_once_the_cache_opens_again(
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         model_cache.open_model_cache(tmp_path / "cache", 2**30)
-        assert sorted(p.name for p in cache.partial_dir.iterdir()) == [in_progress.name]
+        left = sorted(p.name for p in cache.partial_dir.iterdir())
+        assert left == sorted([in_progress.name, older_version.name])
     finally:
         holder.kill()
         holder.communicate()
     model_cache.open_model_cache(tmp_path / "cache", 2**30)
-    assert list(cache.partial_dir.iterdir()) == []
+    assert [p.name for p in cache.partial_dir.iterdir()] == [older_version.name]  # written lately
 
 
 def test_a_fetch_holds_its_file_until_it_is_cached(s3_store, tmp_path, monkeypatch):
@@ -116,6 +122,7 @@ def test_a_fetch_holds_its_file_until_it_is_cached(s3_store, tmp_path, monkeypat
         return answer
 
     monkeypatch.setattr(model_cache, "download_hashed", download_hashed)
+    monkeypatch.setattr(model_cache, "ABANDONED_AFTER_SECONDS", 0)  # only the lock keeps it
     model_cache.link_model_file(cache, s3_store, key, digest, tmp_path / "m.bin")
     assert swept_during == [[]]
     assert (tmp_path / "m.bin").read_bytes() == data

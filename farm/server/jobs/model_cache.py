@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -63,6 +64,11 @@ def forget_another_boots_files(cache: BlobCache) -> list[str]:
     return forgotten
 
 
+ABANDONED_AFTER_SECONDS = 600.0
+"""How long a partial file must have gone unwritten before `remove_abandoned_fetches` takes it
+when no fetch holds it (a fetch writes its file continuously)."""
+
+
 def remove_abandoned_fetches(folder: Path) -> list[str]:
     """Delete the files in `folder` that no fetch holds (`_fetch` holds its file locked from
     its creation to its place in the cache); their names. A worker killed mid-fetch (the OOM
@@ -75,6 +81,9 @@ def remove_abandoned_fetches(folder: Path) -> list[str]:
         except OSError:
             continue  # gone meanwhile, or not ours to open
         try:
+            # Written lately: a fetch of a worker of an earlier version, which takes no lock.
+            if time.time() - os.fstat(descriptor).st_mtime < ABANDONED_AFTER_SECONDS:
+                continue
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if same_file(descriptor, entry):
                 entry.unlink()
