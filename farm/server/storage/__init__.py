@@ -60,6 +60,15 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_digest(key: str, sha256: str, expected: str | None) -> None:
+    """Refuse bytes of digest `sha256` for `key` when they are not the `expected` ones
+    (ChecksumMismatch), before anything is stored; None expects nothing."""
+    if expected is not None and sha256 != expected:
+        raise ChecksumMismatch(
+            f"{key}: the bytes have sha256 {sha256}, expected {expected}; nothing stored"
+        )
+
+
 class ObjectWriter(abc.ABC):
     """One object written as a stream of bytes, hashed as they pass: `write` them in order,
     then `commit`. Nothing is visible under the key before `commit`; leaving the `with` block
@@ -86,11 +95,7 @@ class ObjectWriter(abc.ABC):
 
     def commit(self) -> StoredObject:
         sha256 = self._digest.hexdigest()
-        if self.expected_sha256 is not None and sha256 != self.expected_sha256:
-            raise ChecksumMismatch(
-                f"{self.key}: the bytes have sha256 {sha256}, expected {self.expected_sha256}; "
-                "nothing stored"
-            )
+        check_digest(self.key, sha256, self.expected_sha256)
         stored = self._commit(sha256)
         self._done = True
         return stored

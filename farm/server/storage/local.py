@@ -63,12 +63,12 @@ from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.identity import FileVersion, version_now, version_of
 from farm.server.storage import (
     BlobStore,
-    ChecksumMismatch,
     ListsObjects,
     LocalPaths,
     ObjectWriter,
     StorageError,
     StoredObject,
+    check_digest,
     check_key,
 )
 
@@ -179,7 +179,7 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
                 # No other name may see the file given up emptied as it is copied.
                 release = info.st_nlink == 1 and _writable(descriptor)
                 sha256 = _copy_hashed(descriptor, sink.fileno(), info.st_size, release)
-                _check_digest(key, sha256, expected_sha256)
+                check_digest(key, sha256, expected_sha256)
                 os.fsync(sink.fileno())
             _place(temporary, target, sha256)
         finally:
@@ -195,7 +195,7 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             with open(temporary, "rb", buffering=0) as partial:
                 _start_writeback(partial.fileno())  # the disk writes while we hash
                 sha256 = sha256_stream(partial)
-                _check_digest(key, sha256, expected_sha256)
+                check_digest(key, sha256, expected_sha256)
                 os.fchmod(partial.fileno(), 0o600)
                 os.fsync(partial.fileno())
                 size = os.fstat(partial.fileno()).st_size
@@ -379,13 +379,6 @@ def _sync_folder(folder: Path) -> None:
             raise
     finally:
         os.close(descriptor)
-
-
-def _check_digest(key: str, sha256: str, expected: str | None) -> None:
-    if expected is not None and sha256 != expected:
-        raise ChecksumMismatch(
-            f"{key}: the bytes have sha256 {sha256}, expected {expected}; nothing stored"
-        )
 
 
 def _partial_name(target: Path) -> Path:
