@@ -19,17 +19,23 @@ from farm.server.jobs import model_cache
 from farm.server.storage import model_storage_key
 
 
-@pytest.mark.parametrize("size", [0, 1, 3 * 2**20, 5 * 2**20 + 12345])
-def test_parts_land_in_place_and_the_digest_is_the_whole_files(
-    s3_store, tmp_path, monkeypatch, size
-):
-    monkeypatch.setattr(model_cache, "FETCH_PART_BYTES", 2**20)  # many parts, one short
+def stored_model(s3_store, tmp_path, size: int) -> tuple[bytes, str, str]:
+    """`size` random bytes stored as a model file in S3: the bytes, their digest, their key."""
     data = os.urandom(size)
     digest = hashlib.sha256(data).hexdigest()
     source = tmp_path / "source"
     source.write_bytes(data)
     key = model_storage_key(digest)
     s3_store.put_file(key, source, expected_sha256=digest)
+    return data, digest, key
+
+
+@pytest.mark.parametrize("size", [0, 1, 3 * 2**20, 5 * 2**20 + 12345])
+def test_parts_land_in_place_and_the_digest_is_the_whole_files(
+    s3_store, tmp_path, monkeypatch, size
+):
+    monkeypatch.setattr(model_cache, "FETCH_PART_BYTES", 2**20)  # many parts, one short
+    data, digest, key = stored_model(s3_store, tmp_path, size)
     dest = tmp_path / "fetched"
     assert model_cache.download_hashed(s3_store, key, dest) == digest
     assert dest.read_bytes() == data
@@ -54,12 +60,7 @@ def test_the_fetch_into_its_mkstemp_file_never_opens_it_to_truncate(
 ):
     """`O_TRUNC` on the existing name made ext4 flush the whole model at its close, under the
     compile that reads it next (farm/core/emptied.py)."""
-    data = os.urandom(3 * 2**20 + 5)
-    digest = hashlib.sha256(data).hexdigest()
-    source = tmp_path / "source"
-    source.write_bytes(data)
-    key = model_storage_key(digest)
-    s3_store.put_file(key, source, expected_sha256=digest)
+    data, digest, key = stored_model(s3_store, tmp_path, 3 * 2**20 + 5)
     modes_seen = []
 
     def recording_open(file, mode="r", *args, **kwargs):
@@ -106,12 +107,7 @@ def test_a_fetch_killed_midway_leaves_no_file_behind_once_the_cache_opens_again(
 
 def test_a_fetch_holds_its_file_until_it_is_cached(s3_store, tmp_path, monkeypatch):
     """So that another worker process opening the cache meanwhile leaves it."""
-    data = os.urandom(3 * 2**20 + 5)
-    digest = hashlib.sha256(data).hexdigest()
-    source = tmp_path / "source"
-    source.write_bytes(data)
-    key = model_storage_key(digest)
-    s3_store.put_file(key, source, expected_sha256=digest)
+    data, digest, key = stored_model(s3_store, tmp_path, 3 * 2**20 + 5)
     cache = model_cache.open_model_cache(tmp_path / "cache", 2**30)
     swept_during = []
     fetch = model_cache.download_hashed

@@ -4,13 +4,12 @@ regular file; every byte written or the kernel's reason why not."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from farm.core import emptied
+from tests.child import run_python
 
 
 @pytest.mark.parametrize("there", [None, b"", b"old bytes"], ids=["new", "empty", "with bytes"])
@@ -45,13 +44,7 @@ def test_a_symbolic_link_is_never_followed(tmp_path):
 def test_a_fifo_is_refused_at_once_instead_of_waiting_for_a_reader(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    opened = subprocess.run(  # a child: an open that waits would otherwise hang the suite
-        [sys.executable, "-c", OPEN_IN_CHILD, str(fifo)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    opened = run_python(OPEN_IN_CHILD, str(fifo))  # an open that waits would hang the suite
     assert opened.returncode == 0, opened.stderr
     assert opened.stdout.startswith("OSError")
 
@@ -65,13 +58,7 @@ def test_a_short_write_goes_on_until_the_kernel_says_why_not(tmp_path):
     """A real short write: past RLIMIT_FSIZE, `pwrite` writes what fits and returns its
     count; the next one fails with EFBIG (as a full disk's does with ENOSPC)."""
     path = tmp_path / "file"
-    wrote = subprocess.run(
-        [sys.executable, "-c", WRITE_PAST_LIMIT, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    wrote = run_python(WRITE_PAST_LIMIT, str(path))
     assert wrote.returncode == 0, wrote.stderr
     assert wrote.stdout.split() == ["short", "4096", "EFBIG"]
     assert path.read_bytes() == b"\0" * 8192 + b"x" * 4096  # what fit, no more

@@ -7,8 +7,6 @@ import hashlib
 import mmap
 import os
 import stat
-import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 from farm.core.identity import file_version
 from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError, local, open_store
 from farm.server.storage.local import LocalStore, discard_prestaged
+from tests.child import run_python
 from tests.pagecache import cached_pages, direct_io_here
 
 
@@ -446,13 +445,7 @@ def test_adopt_refuses_bytes_that_are_not_the_expected_digest(store, tmp_path, n
 def test_a_short_write_of_the_uncached_copys_tail_stores_nothing(tmp_path):
     """`pwrite` writes what fits and returns its count past RLIMIT_FSIZE, as on a disk that
     fills; the copy must fail, never store a file shorter than its digest says."""
-    ran = subprocess.run(
-        [sys.executable, "-c", SHORT_TAIL, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    ran = run_python(SHORT_TAIL, str(tmp_path), timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["refused", "EFBIG", "stored:", "False", "leftovers:", "0"]
 
