@@ -24,6 +24,7 @@ import farm.cli as cli_package
 from farm.cli import main
 from farm.cli.backends import Advance, Backend
 from farm.cli.backends.ahead import (
+    compile_ahead,
     discard_prestaged,
     prestage_model,
     prestage_unhashed,
@@ -215,7 +216,10 @@ def submit(
                 # store start beside the hash
                 if compiled_as_is:
                     staged = prestart_compile(get_settings(), specs[0].target)
-                staged = prestage_unhashed(get_settings(), ahead.files, compiled_as_is) or staged
+                copying = prestage_unhashed(get_settings(), ahead.files, compiled_as_is)
+                if staged and copying:  # and the compile itself, beside the hash
+                    compile_ahead(get_settings(), specs[0], source.files)
+                staged = copying or staged
             # OpenVINO loads only here (the listing commands start without it), beside the hash.
             from farm import prepare, toolchain
 

@@ -406,5 +406,18 @@ def test_a_new_model_the_compile_child_may_read_is_compiled_where_it_is(farm_hom
             assert stored.read_bytes() == file.read_bytes()
         blob = farm_home / "store" / "blobs" / f"{answer['cache_key']}.blob"
         assert blob.stat().st_size > weights.stat().st_size
+        # Its compile was given its request before the model was hashed, and the blob was
+        # copied into the store as that compile ended: stored once, as recorded.
+        log = farm_json(farm_home, "logs", str(answer["job"]["id"]))["log"]
+        assert "farm: compiled by the child started ahead of this job" in log
+        recorded = farm_json(farm_home, "status", answer["cache_key"])["blob"]["sha256"]
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == recorded
+        assert stored_files(farm_home) == sorted(
+            [f"blobs/{blob.name}", *(f"models/{digest}" for digest in answer_digests(xml))]
+        )
     finally:
         shutil.rmtree(folder)
+
+
+def answer_digests(xml: Path) -> list[str]:
+    return [hashlib.sha256(f.read_bytes()).hexdigest() for f in (xml, xml.with_suffix(".bin"))]

@@ -245,6 +245,60 @@ def test_a_blob_of_another_user_is_copied_hashed_and_emptied_as_it_goes(store, s
     assert leftovers(store) == ["k.blob"]
 
 
+def test_a_blob_copied_ahead_is_what_its_adopt_stores_wherever_it_was_moved(
+    store, source, tmp_path
+):
+    original = source.read_bytes()
+    store.adopt_ahead("blobs", source)
+    [partial] = leftovers(store)  # the copy, flushed, under no key yet
+    moved = tmp_path / "job" / "k.blob"
+    moved.parent.mkdir()
+    source.rename(moved)  # the job takes the blob out of the compile child's box
+
+    stored = store.adopt_file("blobs/k.blob", moved, expected_sha256=digest_of(moved))
+
+    kept = store.local_path("blobs/k.blob")
+    assert (stored.size, stored.sha256) == (len(original), hashlib.sha256(original).hexdigest())
+    assert kept.read_bytes() == original and oct(kept.stat().st_mode)[-3:] == "600"
+    assert kept.stat().st_ino != moved.stat().st_ino  # the copy made ahead, not the file
+    assert moved.read_bytes() == original  # nothing of it punched out: it was not needed
+    assert partial.startswith(".") and leftovers(store) == ["k.blob"]
+
+
+def test_a_copy_made_ahead_of_another_file_is_not_taken_and_is_deleted_unused(
+    store, source, tmp_path
+):
+    store.adopt_ahead("blobs", source)
+    other = tmp_path / "other.blob"
+    other.write_bytes(b"another blob")
+
+    stored = store.adopt_file("blobs/k.blob", other)
+
+    assert store.local_path("blobs/k.blob").read_bytes() == b"another blob"
+    assert stored.sha256 == hashlib.sha256(b"another blob").hexdigest()
+    assert len(leftovers(store)) == 2  # the copy made ahead, waiting
+    discard_prestaged()  # the submit's end
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_a_copy_made_ahead_still_answers_for_its_digest(store, source):
+    store.adopt_ahead("blobs", source)
+    with pytest.raises(ChecksumMismatch):
+        store.adopt_file("blobs/k.blob", source, expected_sha256="0" * 64)
+    assert leftovers(store) == []
+
+
+@pytest.mark.parametrize("what", ["missing", "fifo", "link"])
+def test_nothing_is_copied_ahead_of_what_is_not_a_regular_file(store, source, tmp_path, what):
+    path = tmp_path / "box.blob"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "link":
+        path.symlink_to(source)
+    store.adopt_ahead("blobs", path)
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
+
+
 def test_a_hashed_copy_is_the_copy_hashed_chunk_by_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "HASHED_COPY_CHUNK", mmap.PAGESIZE)  # chunks start on pages
     data = os.urandom(10 * mmap.PAGESIZE + 123)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from farm.core.config import Settings
 from farm.core.errors import FarmError
-from farm.core.spec import Target
+from farm.core.spec import CompileSpec, Target
 
 if TYPE_CHECKING:
     from farm.core.identity import ModelRef
@@ -43,6 +43,39 @@ def prestart_compile(settings: Settings, target: Target) -> bool:
         return False
     prestart_compile_child(target, settings.compile_user, settings.compile_launcher)
     return True
+
+
+def compile_ahead(settings: Settings, spec: CompileSpec, files: Mapping[str, Path]) -> bool:
+    """The embedded farm, for a model compiled as it is, whose copies into its local store
+    `prestage_unhashed` started: give the compile child `prestart_compile` started the request
+    of the job this submit will make for `spec`, reading `files` (by role) where they are, so
+    that the compile runs beside the hash and the database layer's import. The job takes the
+    child only if it asks for the very same (`sandbox.request_compile_ahead`). Whether the
+    child was given it."""
+    store = _local_store(settings)
+    if store is None:  # only a local store's copy lets the job read in place
+        return False
+    from farm.core.identity import file_version
+    from farm.server.jobs.limits import blob_size_limit
+    from farm.server.jobs.sandbox import request_compile_ahead
+    from farm.server.storage import BLOBS_FOLDER
+
+    in_place = {role: (path, file_version(path)) for role, path in files.items()}
+    model_bytes = sum(version[2] for _, version in in_place.values())  # its size
+    max_blob_bytes = blob_size_limit(
+        model_bytes,
+        settings.max_blob_bytes,
+        settings.max_blob_ratio,
+        settings.blob_bytes_over_model,
+    )
+    return request_compile_ahead(
+        spec,
+        in_place,
+        settings.resolved_compile_memory_bytes,
+        max_blob_bytes,
+        # As the child ends: its blob copied into the store and hashed, beside the command.
+        on_blob=lambda blob: store.adopt_ahead(BLOBS_FOLDER, blob),
+    )
 
 
 def prestage_model(settings: Settings, ref: ModelRef, compiled_as_is: bool = False) -> bool:
@@ -83,15 +116,16 @@ def prestage_unhashed(settings: Settings, files: list[Path], compiled_as_is: boo
 
 
 def discard_prestaged() -> None:
-    """Stop and delete the model copies `prestage_model` started that the submit did not take,
-    and end a compile child started ahead that no job took (`sandbox.prestart_compile_child`)."""
+    """End a compile child started ahead that no job took (`sandbox.prestart_compile_child`),
+    and delete the copies into the store that the submit did not take: of the model's files
+    (`prestage_model`) and of a blob compiled ahead (`compile_ahead`)."""
     from farm.server.jobs.sandbox import discard_prestarted
     from farm.server.storage.local import discard_prestaged as discard_copies
 
     try:
-        discard_copies()
+        discard_prestarted()  # first: a child's end may still be copying its blob in
     finally:
-        discard_prestarted()
+        discard_copies()
 
 
 def _compiled_in_place(settings: Settings, paths: list[Path]) -> bool:

@@ -51,6 +51,11 @@ from farm.server.blobs.signatures import sign_row
 from farm.server.blobs.verifications import inherited_quarantine
 from farm.server.db.models import Blob, Job, Model
 from farm.server.db.session import rows_changed
+from farm.server.jobs.limits import (
+    BLOB_BYTES_OVER_MODEL,
+    BLOB_BYTES_PER_MODEL_BYTE,
+    blob_size_limit,
+)
 from farm.server.jobs.model_cache import link_model_file
 from farm.server.jobs.phases import PhaseClock
 from farm.server.jobs.reference_run import Prepared, detach, run_reference
@@ -76,12 +81,6 @@ CANCEL_POLL_SECONDS = 2.0
 """How often a running job's worker looks for a cancel request (and renews the lease)."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 """A write refused for want of room: disk full, file size limit (ulimit -f), quota."""
-BLOB_BYTES_PER_MODEL_BYTE = 4.0
-BLOB_BYTES_OVER_MODEL = 64 * 2**20
-"""The default blob size limit (FARM_MAX_BLOB_RATIO, FARM_BLOB_BYTES_OVER_MODEL): 4 times the
-model's bytes plus 64 MiB. A blob holds the weights once (or not at all when weightless) plus
-the compiled code; a blob far bigger than its model is a constant broadcast at compile time
-(2.6 KB of IR made a 1 GiB blob in 14 s; with 256 MiB over the model, a 240 MB one passed)."""
 
 
 @dataclass(frozen=True)
@@ -120,20 +119,6 @@ class ReferencePlan:
     @property
     def state(self) -> str:
         return ReferenceState.SKIPPED if self.note else ReferenceState.PENDING
-
-
-def blob_size_limit(
-    model_bytes: int,
-    max_blob_bytes: int | None = None,
-    ratio: float = BLOB_BYTES_PER_MODEL_BYTE,
-    over_model: int = BLOB_BYTES_OVER_MODEL,
-) -> int:
-    """The largest blob a compile of a `model_bytes` model may write: FARM_MAX_BLOB_BYTES when
-    set, else `ratio` (FARM_MAX_BLOB_RATIO) times the model plus `over_model`
-    (FARM_BLOB_BYTES_OVER_MODEL)."""
-    if max_blob_bytes:
-        return max_blob_bytes
-    return int(ratio * model_bytes) + over_model
 
 
 def _blob_limit_of(model_bytes: int, limits: RunLimits) -> int:

@@ -165,18 +165,12 @@ def compile_in_child(
         out_dir,
         blob_id,
         compile_identity(compile_user, compile_launcher),
-        {
-            "target": spec.target.name,
-            "spec": spec.canonical(),
-            "blob_id": blob_id,
-            "memory_bytes": memory_bytes,
-            "max_blob_bytes": max_blob_bytes,
-        },
+        _compile_fields(spec, blob_id, memory_bytes, max_blob_bytes),
         timeout_seconds,
         should_stop,
         in_place=in_place,
     ) as run:
-        output = _tail(run.log_path)
+        output = (AHEAD_NOTE if run.ahead else "") + _tail(run.log_path)
         if run.timed_out:
             raise _with_output(
                 CompileTimeout(
@@ -194,7 +188,7 @@ def compile_in_child(
             if "error" in result:
                 error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
                 raise _with_output(error, output)
-            blob = _take_blob(run.box / f"{blob_id}.blob", out_dir / f"{blob_id}.blob")
+            blob = _take_blob(run.box / f"{run.blob_id}.blob", out_dir / f"{blob_id}.blob")
     if again is not None:  # the first child's box is gone; the second has the time left
         log.warning("%s: compiling the stored copy again", again)
         return compile_in_child(
@@ -215,6 +209,19 @@ def compile_in_child(
     result["size_bytes"] = blob.stat().st_size
     result["toolchain"] = Toolchain(**result["toolchain"])
     return compiler.CompileResult(**result), output
+
+
+def _compile_fields(
+    spec: CompileSpec, blob_id: str, memory_bytes: int | None, max_blob_bytes: int | None
+) -> dict[str, object]:
+    """A compile child's request, but for its files: what it compiles, and its limits."""
+    return {
+        "target": spec.target.name,
+        "spec": spec.canonical(),
+        "blob_id": blob_id,
+        "memory_bytes": memory_bytes,
+        "max_blob_bytes": max_blob_bytes,
+    }
 
 
 def _compile_again(run: _ChildRun, result: dict | None) -> str | None:
@@ -547,6 +554,29 @@ class _ChildRun:
     """The user's files the child read where they are (`compile_in_child`'s `in_place`)."""
     changed_in_place: list[Path]
     """Those whose version changed while the child ran (its work is void)."""
+    blob_id: str
+    """The name of the blob it wrote in its box: ``<blob_id>.blob``."""
+    ahead: bool = False
+    """It compiled a request given before its job existed (`request_compile_ahead`)."""
+
+
+def _finished_run(
+    box: Path,
+    log_path: Path,
+    result_path: Path,
+    returncode: int,
+    timed_out: bool,
+    read_in_place: Mapping[str, tuple[Path, FileVersion]],
+    blob_id: str,
+    ahead: bool = False,
+) -> _ChildRun:
+    """A child's run once it ended: which of the user's files it read where they are, and
+    which of those changed meanwhile (checked now, after its end)."""
+    changed = [path for path, kept in read_in_place.values() if version_now(path) != kept]
+    read = [path for path, _ in read_in_place.values()]
+    return _ChildRun(
+        box, log_path, result_path, returncode, timed_out, read, changed, blob_id, ahead
+    )
 
 
 @contextlib.contextmanager
@@ -573,10 +603,28 @@ def _child_in_box(
     result_path = out_dir.parent / f"{name}.result.json"
     log_path = out_dir.parent / f"{name}.log"
     result_path.unlink(missing_ok=True)
+    read_in_place = _readable_as_copied(in_place or {}, identity)
     waiting = _take_waiting(fields, identity)
+    ahead = waiting.ahead if waiting is not None else None
+    if ahead is not None and not _asked_ahead(
+        ahead, files, fields, read_in_place, extra_files, names
+    ):
+        assert waiting is not None
+        waiting.discard()  # given another request ahead: a child of the job's own runs this one
+        waiting = ahead = None
     box = waiting.box if waiting is not None else _make_box(out_dir, identity)
     try:
-        read_in_place = _readable_as_copied(in_place or {}, identity)
+        if waiting is not None and ahead is not None:
+            request.write_bytes(ahead.payload)  # beside the job's log, as any child's request
+            taken, waiting = waiting, None  # `run` ends it, whatever happens
+            returncode, timed_out = taken.run(
+                request, result_path, log_path, timeout_seconds, should_stop
+            )
+            yield _finished_run(
+                box, log_path, result_path, returncode, timed_out, read_in_place,
+                ahead.blob_id, ahead=True,
+            )  # fmt: skip
+            return
         staged = {}
         for role, path in files.items():
             dest = _in_box(box, (names or {}).get(role), role)
@@ -591,22 +639,7 @@ def _child_in_box(
             else None
             for field, path in (extra_files or {}).items()
         }
-        request.write_text(
-            json.dumps(
-                {
-                    **fields,
-                    **extras,
-                    "files": {role: str(path) for role, path in staged.items()},
-                    "out_dir": str(box),
-                    # The launcher has switched user before the child starts; root switches
-                    # in the child, after loading OpenVINO.
-                    "run_as": [identity.uid, identity.gid]
-                    if identity and not identity.launcher
-                    else None,
-                    "parent": os.getpid(),
-                }
-            )
-        )
+        request.write_bytes(_request_payload({**fields, **extras}, staged, box, identity))
         if waiting is not None:
             taken, waiting = waiting, None  # `run` ends it, whatever happens
             returncode, timed_out = taken.run(
@@ -616,13 +649,31 @@ def _child_in_box(
             returncode, timed_out = _run_child(
                 request, result_path, log_path, box, timeout_seconds, should_stop, identity
             )
-        changed = [path for path, kept in read_in_place.values() if version_now(path) != kept]
-        read = [path for path, _ in read_in_place.values()]
-        yield _ChildRun(box, log_path, result_path, returncode, timed_out, read, changed)
+        yield _finished_run(box, log_path, result_path, returncode, timed_out, read_in_place, name)
     finally:
         if waiting is not None:  # an error before its request: it never had one
             waiting.discard()
         _remove_box(box, identity)
+
+
+def _request_payload(
+    fields: Mapping[str, object],
+    staged: Mapping[str, Path],
+    box: Path,
+    identity: ChildUser | None,
+) -> bytes:
+    """A child's request: `fields`, and where its files and its box are."""
+    return json.dumps(
+        {
+            **fields,
+            "files": {role: str(path) for role, path in staged.items()},
+            "out_dir": str(box),
+            # The launcher has switched user before the child starts; root switches in the
+            # child, after loading OpenVINO.
+            "run_as": [identity.uid, identity.gid] if identity and not identity.launcher else None,
+            "parent": os.getpid(),
+        }
+    ).encode()
 
 
 def _remove_box(box: Path, identity: ChildUser | None) -> None:
@@ -731,6 +782,10 @@ class _WaitingChild:
 
     def __init__(self, target: Target, identity: ChildUser | None) -> None:
         self.target, self.identity, self.pid = target, identity, os.getpid()
+        self.ahead: _Ahead | None = None
+        self._writer: threading.Thread | None = None
+        self._taker: threading.Thread | None = None
+        self._ending = threading.Event()
         # Where `_make_box` puts the box of a job folder in the temporary directory.
         self.box = _make_box(Path(tempfile.gettempdir(), "job"), identity)
         self.env = child_environment(os.environ, self.box)
@@ -757,8 +812,74 @@ class _WaitingChild:
             and fields.get("target") == self.target.name
             and identity == self.identity
             and os.getpid() == self.pid
-            and not _exited_now(self.child.pid)
+            # A child given its request ahead may have ended already: its result is kept.
+            and (self.ahead is not None or not _exited_now(self.child.pid))
         )
+
+    def give_ahead(
+        self,
+        in_place: Mapping[str, tuple[Path, FileVersion]],
+        fields: Mapping[str, object],
+        on_blob: Callable[[Path], None] | None = None,
+    ) -> bool:
+        """Give the child a compile request now, before its job exists: `fields`, and the
+        user's files `in_place` (by role, with the version each had when it was hashed), read
+        where they are. The job's compile takes the child only if it asks for the very same
+        (`_asked_ahead`), and checks the files' versions after the child's end, as for
+        any compile that read them in place. `on_blob` is called, on a thread of its own, with
+        the blob the child wrote once it ended with a result that is not an error, unless it
+        was ended first (`discard`). Whether it was given (not where the child may not read
+        every file where it is)."""
+        readable = _readable_as_copied(in_place, self.identity)
+        if self.ahead is not None or self._request is None or set(readable) != set(in_place):
+            return False
+        staged = {}
+        for role, (real, _) in readable.items():
+            staged[role] = _in_box(self.box, None, role)
+            staged[role].symlink_to(real)
+        payload = _request_payload(fields, staged, self.box, self.identity)
+        self.ahead = _Ahead(dict(fields), readable, payload)
+        self._start_writing(payload)
+        if on_blob is not None:
+            watch = _exit_watch(self.child.pid)  # now: nothing collects the child before `run`
+            blob = self.box / f"{self.ahead.blob_id}.blob"
+            self._taker = threading.Thread(
+                target=self._take_compiled,
+                args=(watch, blob, on_blob),
+                name="farm-ahead-blob",
+                daemon=True,
+            )
+            self._taker.start()
+        return True
+
+    def _take_compiled(self, watch: int, blob: Path, on_blob: Callable[[Path], None]) -> None:
+        """Wait for the child's end (`watch`, its pidfd); when it wrote a result that is not
+        an error, and no one is ending it, hand its `blob` to `on_blob`. Best effort: what
+        `on_blob` does not do, the job does itself."""
+        try:
+            select.select([watch], [], [])
+        finally:
+            os.close(watch)
+        if self._ending.is_set():
+            return
+        try:
+            written = self._result.fileno()
+            result = json.loads(os.pread(written, os.fstat(written).st_size, 0))
+            if isinstance(result, dict) and "error" not in result:
+                on_blob(blob)
+        except Exception:
+            log.debug("the blob of the compile given ahead was not taken ahead", exc_info=True)
+
+    def _start_writing(self, payload: bytes) -> None:
+        """Write `payload` to the child's request pipe on a thread, then close the pipe: a
+        request bigger than the pipe holds waits for the child to read it, and a child that
+        never does is then ended by the watch (its limits, a cancel)."""
+        request_end, self._request = self._request, None  # the writer closes it
+        assert request_end is not None, "a waiting child runs one request"
+        self._writer = threading.Thread(
+            target=_write_request, args=(request_end, payload), name="farm-request"
+        )
+        self._writer.start()
 
     def run(
         self,
@@ -768,30 +889,20 @@ class _WaitingChild:
         timeout_seconds: float,
         should_stop: Callable[[], bool],
     ) -> tuple[int, bool]:
-        """Hand the child its request (the file `request`) and watch it as `_run_child` does;
-        its result and output then at `result_path` and `log_path`."""
-        request_end, self._request = self._request, None  # the writer closes it
+        """Hand the child its request (the file `request`), unless it was given one ahead,
+        and watch it as `_run_child` does; its result and output then at `result_path` and
+        `log_path`."""
         try:
-            assert request_end is not None, "a waiting child runs one request"
-            try:
-                payload = request.read_bytes()
-            except BaseException:
-                os.close(request_end)
-                self._end()
-                raise
-            # On a thread: a request bigger than the pipe holds waits for the child to read it,
-            # and a child that never does is then ended by the watch (its limits, a cancel).
-            writer = threading.Thread(
-                target=_write_request, args=(request_end, payload), name="farm-request"
-            )
-            writer.start()
-            try:
-                return _watch_child(
-                    self.child, self.identity, self.env, timeout_seconds, should_stop
-                )
-            finally:
-                writer.join()  # the child has ended: the write is done or broken
+            if self.ahead is None:
+                try:
+                    payload = request.read_bytes()
+                except BaseException:
+                    self._end()
+                    raise
+                self._start_writing(payload)
+            return _watch_child(self.child, self.identity, self.env, timeout_seconds, should_stop)
         finally:
+            self._join_threads()  # the child has ended: the write is done or broken
             for unnamed, path in ((self._result, result_path), (self._log, log_path)):
                 unnamed.seek(0)
                 with open(path, "wb") as named:
@@ -799,20 +910,32 @@ class _WaitingChild:
             self._close()
 
     def discard(self) -> None:
-        """End the child, never given a request, and remove its box."""
-        self._close()  # at the end of the pipe, a child not yet killed reads no request, and ends
+        """End the child, which no job took, and remove its box."""
+        self._ending.set()
+        self._close_request()  # a child not yet killed reads no request, and ends
         self._end()
+        self._join_threads()
+        self._close()
         _remove_box(self.box, self.identity)
+
+    def _join_threads(self) -> None:
+        for thread in (self._writer, self._taker):
+            if thread is not None:
+                thread.join()
+        self._writer = self._taker = None
 
     def _end(self) -> None:
         """Kill the child's process group and collect the child (once: its pid is then free)."""
         kill_group(self.child.pid, self.identity, _exited_now(self.child.pid), self.env)
         self.child.wait()
 
-    def _close(self) -> None:
+    def _close_request(self) -> None:
         if self._request is not None:
             os.close(self._request)
             self._request = None
+
+    def _close(self) -> None:
+        self._close_request()
         for unnamed in (getattr(self, "_result", None), getattr(self, "_log", None)):
             if unnamed is not None:
                 unnamed.close()
@@ -848,6 +971,74 @@ def discard_prestarted() -> None:
     """End the compile child started ahead (`prestart_compile_child`) that nothing took."""
     while _WAITING:
         _WAITING.pop().discard()
+
+
+AHEAD_BLOB_ID = "ahead"
+"""The name of the blob a compile given its request ahead writes in its box."""
+AHEAD_NOTE = (
+    "farm: compiled by the child started ahead of this job, from the submitted files where "
+    "they are (checked unchanged at its end)\n"
+)
+"""The first line of the log of a job whose compile was given its request ahead."""
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """The request a waiting child was given before its job existed (`give_ahead`)."""
+
+    fields: dict[str, object]
+    in_place: dict[str, tuple[Path, FileVersion]]
+    """By role: the user's file it reads (its real path), and the version it was hashed at."""
+    payload: bytes
+
+    @property
+    def blob_id(self) -> str:
+        return str(self.fields["blob_id"])
+
+
+def request_compile_ahead(
+    spec: CompileSpec,
+    in_place: Mapping[str, tuple[Path, FileVersion]],
+    memory_bytes: int | None,
+    max_blob_bytes: int | None,
+    on_blob: Callable[[Path], None] | None = None,
+) -> bool:
+    """Give the compile child started ahead (`prestart_compile_child`) the request of the job
+    this process is about to make: compile `spec` from the user's files `in_place` (by role,
+    with the version each had when its hash began), with the job's limits. The embedded `farm
+    submit` calls it before it has hashed the model or loaded the database layer, so the
+    compile runs beside both. A file changed since, a different request from the job or a
+    submit that needs no compile (a hit) voids it: the child is ended, and the job, if any,
+    compiles in a child of its own. `on_blob`: see `_WaitingChild.give_ahead`. Whether the
+    child was given it."""
+    if not _WAITING or _WAITING[0].target != spec.target:
+        return False
+    fields = _compile_fields(spec, AHEAD_BLOB_ID, memory_bytes, max_blob_bytes)
+    return _WAITING[0].give_ahead(in_place, fields, on_blob)
+
+
+def _asked_ahead(
+    ahead: _Ahead,
+    files: Mapping[str, Path],
+    fields: Mapping[str, object],
+    read_in_place: Mapping[str, tuple[Path, FileVersion]],
+    extra_files: Mapping[str, Path | None] | None,
+    names: Mapping[str, str] | None,
+) -> bool:
+    """Whether the request given `ahead` is the job's own: the same compile with the same
+    limits (all but the blob's name in its box), of the same files, every one read where it
+    is at the version it had then, and nothing else."""
+    ignored = ("blob_id",)
+    same_fields = {k: v for k, v in fields.items() if k not in ignored} == {
+        k: v for k, v in ahead.fields.items() if k not in ignored
+    }
+    return (
+        same_fields
+        and not extra_files
+        and not names
+        and set(files) == set(read_in_place)
+        and dict(read_in_place) == ahead.in_place
+    )
 
 
 def _take_waiting(fields: Mapping[str, object], identity: ChildUser | None) -> _WaitingChild | None:

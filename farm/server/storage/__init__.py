@@ -30,8 +30,11 @@ def model_storage_key(sha256: str) -> str:
     return f"{MODELS_FOLDER}/{sha256}"
 
 
+BLOBS_FOLDER = "blobs"
+
+
 def blob_storage_key(cache_key: str) -> str:
-    return f"blobs/{cache_key}.blob"
+    return f"{BLOBS_FOLDER}/{cache_key}.blob"
 
 
 def reference_storage_key(cache_key: str, sha256: str) -> str:

@@ -156,11 +156,30 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             Path(temporary).unlink(missing_ok=True)
         return StoredObject(key, size, sha256)
 
+    def adopt_ahead(self, folder: str, path: str | Path) -> None:
+        """Copy the file `path` (a blob a compile child wrote, given up) into `folder` of the
+        store, and hash the copy, before its key is known: on the caller's thread, while the
+        command goes on (the embedded `farm submit`, as its compile child given its request
+        ahead ends). The `adopt_file` of the same file (by device and inode: it may have been
+        moved) then names the copy instead of making its own. Nothing of the file is punched
+        out: should that `adopt_file` not find the copy (the file was moved to another file
+        system), it copies the file, whole, itself."""
+        directory = self._path(folder)
+        directory.mkdir(parents=True, exist_ok=True)
+        copy = _CopiedAhead(directory)
+        _COPIED_AHEAD.append(copy)
+        copy.copy(Path(path))
+        if copy.sha256 is None:  # nothing to take
+            _COPIED_AHEAD.remove(copy)
+
     def adopt_file(
         self, key: str, path: str | Path, expected_sha256: str | None = None
     ) -> StoredObject:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
+        ahead = _copied_ahead(path)
+        if ahead is not None:
+            return ahead.place(key, target, expected_sha256)
         descriptor = _open_given_up(path)
         temporary = _partial_name(target)
         try:
@@ -325,9 +344,76 @@ _COPIED_FROM: dict[Path, tuple[Path, FileVersion]] = {}
 
 
 def discard_prestaged() -> None:
-    """Stop and delete the copies `prestage` started that no `put_version` took."""
+    """Stop and delete the copies `prestage` started that no `put_version` took, and those
+    `adopt_ahead` made that no `adopt_file` took."""
     while _PRESTAGED:
         _PRESTAGED.popitem()[1].discard()
+    while _COPIED_AHEAD:
+        _COPIED_AHEAD.pop().temporary.unlink(missing_ok=True)
+
+
+class _CopiedAhead:
+    """A file given up, copied into the store and hashed before its key is known
+    (`LocalStore.adopt_ahead`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.temporary = folder / f".{uuid.uuid4().hex}.partial"
+        self.done = threading.Event()
+        self.source: tuple[int, int] | None = None
+        """The device and inode of the file copied."""
+        self.sha256: str | None = None
+        self.size = 0
+
+    def copy(self, path: Path) -> None:
+        """Copy and hash the file at `path`. A file that is not there or not a regular file,
+        or a copy that fails, leaves nothing: its `adopt_file` copies it, or says why not."""
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                info = os.fstat(descriptor)
+                if not stat.S_ISREG(info.st_mode):
+                    return
+                with open(self.temporary, "x+b") as sink:
+                    os.fchmod(sink.fileno(), 0o600)
+                    sha256 = _copy_hashed(descriptor, sink.fileno(), info.st_size, False)
+                    os.fsync(sink.fileno())
+                self.source = (info.st_dev, info.st_ino)
+                self.sha256, self.size = sha256, info.st_size
+            finally:
+                os.close(descriptor)
+        except Exception:
+            self.temporary.unlink(missing_ok=True)
+        finally:
+            self.done.set()
+
+    def place(self, key: str, target: Path, expected_sha256: str | None) -> StoredObject:
+        """Name the copy `key` (at `target`)."""
+        try:
+            assert self.sha256 is not None
+            check_digest(key, self.sha256, expected_sha256)
+            _place(self.temporary, target, self.sha256)
+        finally:
+            self.temporary.unlink(missing_ok=True)
+        return StoredObject(key, self.size, self.sha256)
+
+
+_COPIED_AHEAD: list[_CopiedAhead] = []
+"""This process's copies made by `LocalStore.adopt_ahead` that no `adopt_file` took yet."""
+
+
+def _copied_ahead(path: str | Path) -> _CopiedAhead | None:
+    """The copy `adopt_ahead` made of the file now at `path`, once it is done; None when there
+    is none (or it failed)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    for copy in list(_COPIED_AHEAD):
+        copy.done.wait()
+        if copy.sha256 is not None and copy.source == (info.st_dev, info.st_ino):
+            _COPIED_AHEAD.remove(copy)
+            return copy
+    return None
 
 
 def _place(temporary: Path, target: Path, sha256: str) -> None:
