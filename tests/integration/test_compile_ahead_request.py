@@ -5,7 +5,12 @@ when the job asks for the very same compile of the very same files; anything els
 
 from __future__ import annotations
 
+import hashlib
+import os
+import signal
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,8 @@ import pytest
 from farm.core.identity import file_version
 from farm.core.spec import CompileSpec, Target
 from farm.server.jobs import sandbox
+from farm.server.storage import BLOBS_FOLDER, local
+from farm.server.storage.local import LocalStore
 from tests.integration.test_compile_child_ahead import gone, waiting_child
 from tests.integration.test_compile_in_place import (  # noqa: F401 (fixtures)
     STORED,
@@ -33,11 +40,36 @@ def _nothing_left_waiting():
     sandbox.discard_prestarted()
 
 
-def handed_on(blobs: list[bytes], within: float = 60.0) -> bool:
-    deadline = time.monotonic() + within
-    while not blobs and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(blobs)
+class Copies:
+    """An `on_blob` that keeps each blob's bytes, as a store's copy would, and what the job
+    then did with the copy: claimed it for the blob it took, or discarded it."""
+
+    def __init__(self) -> None:
+        self.made: list[Copy] = []
+
+    def __call__(self, blob: Path, stop: threading.Event) -> Copy:
+        assert not stop.is_set()
+        self.made.append(Copy(blob.read_bytes()))
+        return self.made[-1]
+
+    def wait(self, within: float = 60.0) -> Copy:
+        deadline = time.monotonic() + within
+        while not self.made and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [copy] = self.made
+        return copy
+
+
+class Copy:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.claimed, self.discarded = data, None, False
+
+    def claim(self, path: Path) -> bool:
+        self.claimed = path
+        return True
+
+    def discard(self) -> None:
+        self.discarded = True
 
 
 def compile_for_job(tmp_path, stored, in_place, max_blob_bytes=LIMIT):  # noqa: F811
@@ -61,23 +93,42 @@ def test_the_job_takes_the_compile_it_was_given_ahead(tmp_path, stored, users_mo
     sandbox.prestart_compile_child(CPU)
     waiting = waiting_child()
     pid, box = waiting.child.pid, waiting.box
-    blobs: list[bytes] = []
+    copies = Copies()
 
-    given = sandbox.request_compile_ahead(
-        SPEC, users_model, None, LIMIT, on_blob=lambda blob: blobs.append(blob.read_bytes())
-    )
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
 
-    assert given
-    # Compiled, and its blob handed on, before any job exists.
-    assert handed_on(blobs)
+    copy = copies.wait()  # compiled, and its blob copied, before any job exists
     result, output = compile_for_job(tmp_path, stored, users_model)
     assert output.startswith(sandbox.AHEAD_NOTE)
     assert which_model(result, users_model) == USERS
     assert result.blob_path == tmp_path / "out" / "k.blob"
-    assert result.blob_path.read_bytes() == blobs[0]  # what was handed on is the job's blob
+    assert result.blob_path.read_bytes() == copy.data  # the copy is of the job's blob
+    assert copy.claimed == result.blob_path and not copy.discarded
     assert result.toolchain.openvino and result.compile_seconds > 0
     assert sandbox._WAITING == [] and gone(pid) and not box.exists()
     assert (tmp_path / "k.result.json").read_text().startswith("{")
+
+
+def test_the_store_names_the_copy_made_as_the_compile_given_ahead_ended(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+):
+    store = LocalStore(tmp_path / "store")
+    sandbox.prestart_compile_child(CPU)
+    on_blob = partial(store.adopt_ahead, BLOBS_FOLDER)
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=on_blob)
+
+    result, _ = compile_for_job(tmp_path, stored, users_model)
+    [copy] = local._COPIED_AHEAD
+    made = copy.temporary.stat().st_ino
+    stored_blob = store.adopt_file("blobs/k.blob", result.blob_path)
+
+    kept = store.local_path("blobs/k.blob")
+    assert kept.stat().st_ino == made  # the copy, named; the blob was not copied again
+    assert kept.read_bytes() == result.blob_path.read_bytes()
+    assert stored_blob.sha256 == hashlib.sha256(kept.read_bytes()).hexdigest()
+    assert local._COPIED_AHEAD == [] and [p.name for p in kept.parent.iterdir()] == ["k.blob"]
 
 
 def test_a_job_asking_for_another_compile_ends_the_one_given_ahead(
@@ -87,7 +138,9 @@ def test_a_job_asking_for_another_compile_ends_the_one_given_ahead(
 ):
     sandbox.prestart_compile_child(CPU)
     pid = waiting_child().child.pid
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT)
+    copies = Copies()
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    copy = copies.wait()
 
     # Limits are part of the request: a job with others compiles in a child of its own.
     result, output = compile_for_job(tmp_path, stored, users_model, max_blob_bytes=LIMIT * 2)
@@ -95,6 +148,7 @@ def test_a_job_asking_for_another_compile_ends_the_one_given_ahead(
     assert not output.startswith(sandbox.AHEAD_NOTE)
     assert which_model(result, users_model) == USERS
     assert gone(pid) and sandbox._WAITING == []
+    assert copy.discarded and copy.claimed is None
 
 
 def test_a_file_changed_after_the_request_ahead_is_compiled_from_the_stores_copy(
@@ -104,17 +158,52 @@ def test_a_file_changed_after_the_request_ahead_is_compiled_from_the_stores_copy
 ):
     sandbox.prestart_compile_child(CPU)
     pid = waiting_child().child.pid
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT)
-    weights = users_model["bin"][0]
-    weights.write_bytes(weights.read_bytes())  # the same bytes, written again: a new version
-    assert file_version(weights) != users_model["bin"][1]
+    copies = Copies()
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    copy = copies.wait()
+    rewrite(users_model["bin"])
 
     # The job still names the version the store's copy was made at.
     result, output = compile_for_job(tmp_path, stored, users_model)
 
     assert not output.startswith(sandbox.AHEAD_NOTE)
     assert which_model(result, users_model) == STORED
-    assert gone(pid)
+    assert gone(pid) and copy.discarded and copy.claimed is None
+
+
+def test_a_file_changed_while_the_job_waited_for_the_compile_ahead_voids_it(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+    monkeypatch,
+):
+    """Taken, but a file changed before its end was seen: compiled again from the store's copy,
+    and the copy of the void blob discarded."""
+    run = sandbox._WaitingChild.run
+
+    def run_then_edit(self, *args, **kwargs):
+        ended = run(self, *args, **kwargs)
+        rewrite(users_model["bin"])
+        return ended
+
+    monkeypatch.setattr(sandbox._WaitingChild, "run", run_then_edit)
+    sandbox.prestart_compile_child(CPU)
+    copies = Copies()
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    copy = copies.wait()
+
+    result, _ = compile_for_job(tmp_path, stored, users_model)
+
+    assert which_model(result, users_model) == STORED
+    assert copy.discarded and copy.claimed is None
+
+
+def rewrite(file: tuple[Path, object]) -> None:
+    """The same bytes written again: a new version of the file."""
+    path, version = file
+    path.write_bytes(path.read_bytes())
+    os.utime(path, ns=(0, 10**18))
+    assert file_version(path) != version
 
 
 def test_a_request_ahead_is_given_only_to_a_child_that_may_read_every_file_in_place(
@@ -141,16 +230,34 @@ def test_a_request_ahead_is_given_only_to_a_child_that_may_read_every_file_in_pl
     assert not sandbox.request_compile_ahead(SPEC, fine, None, LIMIT)  # one request per child
 
 
-def test_a_child_given_a_request_ahead_that_no_job_takes_is_ended_and_hands_nothing_on(
+def test_a_compile_ahead_that_no_job_takes_is_ended_and_its_blobs_copy_discarded(
     users_model,  # noqa: F811
 ):
     sandbox.prestart_compile_child(CPU)
     waiting = waiting_child()
     pid, box = waiting.child.pid, waiting.box
-    blobs: list[Path] = []
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=blobs.append)
+    copies = Copies()
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    copy = copies.wait()  # it ended, and its blob was copied
 
     sandbox.discard_prestarted()  # a hit: no job
 
     assert gone(pid) and not box.exists()
-    assert all(not blob.exists() for blob in blobs)  # a blob handed on went with the box
+    assert copy.discarded and copy.claimed is None
+
+
+def test_a_compile_ahead_that_died_without_a_result_is_not_taken(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+):
+    sandbox.prestart_compile_child(CPU)
+    waiting = waiting_child()
+    os.kill(waiting.child.pid, signal.SIGKILL)  # the kernel's OOM killer, say
+    assert gone(waiting.child.pid)
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT)  # it reads none
+
+    result, output = compile_for_job(tmp_path, stored, users_model)
+
+    assert not output.startswith(sandbox.AHEAD_NOTE)  # a child of its own compiled it
+    assert which_model(result, users_model) == USERS

@@ -245,57 +245,103 @@ def test_a_blob_of_another_user_is_copied_hashed_and_emptied_as_it_goes(store, s
     assert leftovers(store) == ["k.blob"]
 
 
-def test_a_blob_copied_ahead_is_what_its_adopt_stores_wherever_it_was_moved(
-    store, source, tmp_path
-):
-    original = source.read_bytes()
-    store.adopt_ahead("blobs", source)
-    [partial] = leftovers(store)  # the copy, flushed, under no key yet
+def moved_out_of_the_box(source: Path, tmp_path: Path) -> Path:
+    """What the job does with the blob its compile child wrote: move it to its own folder."""
     moved = tmp_path / "job" / "k.blob"
     moved.parent.mkdir()
-    source.rename(moved)  # the job takes the blob out of the compile child's box
+    source.rename(moved)
+    return moved
+
+
+def test_a_blob_copied_ahead_and_claimed_is_what_its_adopt_stores(store, source, tmp_path):
+    original = source.read_bytes()
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None
+    made = copy.temporary.stat().st_ino  # the copy, flushed, under no key yet
+    assert leftovers(store) == [copy.temporary.name]
+    moved = moved_out_of_the_box(source, tmp_path)
+    assert copy.claim(moved)
 
     stored = store.adopt_file("blobs/k.blob", moved, expected_sha256=digest_of(moved))
 
     kept = store.local_path("blobs/k.blob")
     assert (stored.size, stored.sha256) == (len(original), hashlib.sha256(original).hexdigest())
+    assert kept.stat().st_ino == made  # named, not copied again
     assert kept.read_bytes() == original and oct(kept.stat().st_mode)[-3:] == "600"
-    assert kept.stat().st_ino != moved.stat().st_ino  # the copy made ahead, not the file
     assert moved.read_bytes() == original  # nothing of it punched out: it was not needed
-    assert partial.startswith(".") and leftovers(store) == ["k.blob"]
+    assert leftovers(store) == ["k.blob"] and local._COPIED_AHEAD == []
 
 
-def test_a_copy_made_ahead_of_another_file_is_not_taken_and_is_deleted_unused(
-    store, source, tmp_path
-):
-    store.adopt_ahead("blobs", source)
-    other = tmp_path / "other.blob"
+def test_a_copy_made_ahead_is_used_only_for_the_file_it_was_claimed_for(store, source, tmp_path):
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None
+    other = tmp_path / "other.blob"  # never claimed: say, a blob written in a reused inode
     other.write_bytes(b"another blob")
 
     stored = store.adopt_file("blobs/k.blob", other)
 
     assert store.local_path("blobs/k.blob").read_bytes() == b"another blob"
     assert stored.sha256 == hashlib.sha256(b"another blob").hexdigest()
-    assert len(leftovers(store)) == 2  # the copy made ahead, waiting
-    discard_prestaged()  # the submit's end
-    assert leftovers(store) == ["k.blob"]
+    assert len(leftovers(store)) == 2  # the copy, not claimed, waits for its discard
+    copy.discard()
+    assert leftovers(store) == ["k.blob"] and local._COPIED_AHEAD == []
 
 
-def test_a_copy_made_ahead_still_answers_for_its_digest(store, source):
-    store.adopt_ahead("blobs", source)
+def test_a_claimed_copy_of_a_file_written_since_is_dropped_for_the_file_as_it_is(
+    store, source, tmp_path
+):
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None
+    moved = moved_out_of_the_box(source, tmp_path)
+    assert copy.claim(moved)
+    with open(moved, "r+b") as late:  # a process of the compile user's, writing on
+        late.write(b"tampered")
+    os.utime(moved, ns=(0, 10**18))
+    now = moved.read_bytes()
+
+    store.adopt_file("blobs/k.blob", moved)
+
+    assert store.local_path("blobs/k.blob").read_bytes() == now
+    assert leftovers(store) == ["k.blob"] and local._COPIED_AHEAD == []
+
+
+def test_a_copy_is_not_claimed_for_another_file_or_one_changed_since(store, source, tmp_path):
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None
+    other = tmp_path / "other.blob"
+    other.write_bytes(source.read_bytes())
+    assert not copy.claim(other)  # the same bytes, another file
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []  # discarded
+
+
+def test_a_claimed_copy_still_answers_for_its_digest(store, source):
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None and copy.claim(source)
     with pytest.raises(ChecksumMismatch):
         store.adopt_file("blobs/k.blob", source, expected_sha256="0" * 64)
-    assert leftovers(store) == []
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
 
 
-@pytest.mark.parametrize("what", ["missing", "fifo", "link"])
-def test_nothing_is_copied_ahead_of_what_is_not_a_regular_file(store, source, tmp_path, what):
+@pytest.mark.parametrize("what", ["missing", "fifo", "link", "second name"])
+def test_nothing_is_copied_ahead_of_what_is_not_a_regular_file_of_one_name(
+    store, source, tmp_path, what
+):
     path = tmp_path / "box.blob"
     if what == "fifo":
         os.mkfifo(path)
     elif what == "link":
         path.symlink_to(source)
-    store.adopt_ahead("blobs", path)
+    elif what == "second name":
+        os.link(source, path)
+    assert store.adopt_ahead("blobs", path) is None
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
+
+
+def test_a_copy_ahead_stops_when_told(store, source, monkeypatch):
+    monkeypatch.setattr(local, "HASHED_COPY_CHUNK", 64 * 1024)
+    stop = threading.Event()
+    stop.set()  # the submit ended it: a hit, an interrupt
+    assert store.adopt_ahead("blobs", source, stop) is None
     assert leftovers(store) == [] and local._COPIED_AHEAD == []
 
 

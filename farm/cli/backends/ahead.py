@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,10 @@ def compile_ahead(settings: Settings, spec: CompileSpec, files: Mapping[str, Pat
     from farm.server.jobs.sandbox import request_compile_ahead
     from farm.server.storage import BLOBS_FOLDER
 
-    in_place = {role: (path, file_version(path)) for role, path in files.items()}
+    try:
+        in_place = {role: (path, file_version(path)) for role, path in files.items()}
+    except OSError:  # gone already: the hash says so
+        return False
     model_bytes = sum(version[2] for _, version in in_place.values())  # its size
     max_blob_bytes = blob_size_limit(
         model_bytes,
@@ -74,7 +78,7 @@ def compile_ahead(settings: Settings, spec: CompileSpec, files: Mapping[str, Pat
         settings.resolved_compile_memory_bytes,
         max_blob_bytes,
         # As the child ends: its blob copied into the store and hashed, beside the command.
-        on_blob=lambda blob: store.adopt_ahead(BLOBS_FOLDER, blob),
+        on_blob=partial(store.adopt_ahead, BLOBS_FOLDER),
     )
 
 

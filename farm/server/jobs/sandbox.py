@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NoReturn, Protocol
 
 from farm.core import errors
 from farm.core.errors import CompileCancelled, CompileTimeout
@@ -170,25 +170,34 @@ def compile_in_child(
         should_stop,
         in_place=in_place,
     ) as run:
-        output = (AHEAD_NOTE if run.ahead else "") + _tail(run.log_path)
-        if run.timed_out:
-            raise _with_output(
-                CompileTimeout(
-                    f"compile ran longer than its time limit of {timeout_seconds:.0f} s "
-                    f"(FARM_MAX_RUN_SECONDS)"
-                ),
-                output,
-            )
-        result = _read_result(run.result_path)
-        again = _compile_again(run, result)
-        if again is None:
-            if result is None:
-                death = _death(run.returncode, output, memory_bytes, max_blob_bytes)
-                raise _with_output(death, output)
-            if "error" in result:
-                error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(result["message"])
-                raise _with_output(error, output)
-            blob = _take_blob(run.box / f"{run.blob_id}.blob", out_dir / f"{blob_id}.blob")
+        claimed = False
+        try:
+            output = (AHEAD_NOTE if run.ahead else "") + _tail(run.log_path)
+            if run.timed_out:
+                raise _with_output(
+                    CompileTimeout(
+                        f"compile ran longer than its time limit of {timeout_seconds:.0f} s "
+                        f"(FARM_MAX_RUN_SECONDS)"
+                    ),
+                    output,
+                )
+            result = _read_result(run.result_path)
+            again = _compile_again(run, result)
+            if again is None:
+                if result is None:
+                    death = _death(run.returncode, output, memory_bytes, max_blob_bytes)
+                    raise _with_output(death, output)
+                if "error" in result:
+                    error = _CHILD_ERRORS.get(result["error"], errors.CompileError)(
+                        result["message"]
+                    )
+                    raise _with_output(error, output)
+                blob = _take_blob(run.box / f"{run.blob_id}.blob", out_dir / f"{blob_id}.blob")
+                # The copy made of it as its child ended: the store's adopt_file takes it.
+                claimed = run.copied is not None and run.copied.claim(blob)
+        finally:
+            if run.copied is not None and not claimed:  # void, failed, or not this blob
+                run.copied.discard()
     if again is not None:  # the first child's box is gone; the second has the time left
         log.warning("%s: compiling the stored copy again", again)
         return compile_in_child(
@@ -558,6 +567,8 @@ class _ChildRun:
     """The name of the blob it wrote in its box: ``<blob_id>.blob``."""
     ahead: bool = False
     """It compiled a request given before its job existed (`request_compile_ahead`)."""
+    copied: CopiedBlob | None = None
+    """The copy made of its blob as it ended (a request given ahead), for the job to claim."""
 
 
 def _finished_run(
@@ -569,13 +580,14 @@ def _finished_run(
     read_in_place: Mapping[str, tuple[Path, FileVersion]],
     blob_id: str,
     ahead: bool = False,
+    copied: CopiedBlob | None = None,
 ) -> _ChildRun:
     """A child's run once it ended: which of the user's files it read where they are, and
     which of those changed meanwhile (checked now, after its end)."""
     changed = [path for path, kept in read_in_place.values() if version_now(path) != kept]
     read = [path for path, _ in read_in_place.values()]
     return _ChildRun(
-        box, log_path, result_path, returncode, timed_out, read, changed, blob_id, ahead
+        box, log_path, result_path, returncode, timed_out, read, changed, blob_id, ahead, copied
     )
 
 
@@ -622,7 +634,7 @@ def _child_in_box(
             )
             yield _finished_run(
                 box, log_path, result_path, returncode, timed_out, read_in_place,
-                ahead.blob_id, ahead=True,
+                ahead.blob_id, ahead=True, copied=taken.copied,
             )  # fmt: skip
             return
         staged = {}
@@ -786,6 +798,8 @@ class _WaitingChild:
         self._writer: threading.Thread | None = None
         self._taker: threading.Thread | None = None
         self._ending = threading.Event()
+        self.copied: CopiedBlob | None = None
+        """The copy `on_blob` made of the blob of its request given ahead, if any."""
         # Where `_make_box` puts the box of a job folder in the temporary directory.
         self.box = _make_box(Path(tempfile.gettempdir(), "job"), identity)
         self.env = child_environment(os.environ, self.box)
@@ -812,15 +826,18 @@ class _WaitingChild:
             and fields.get("target") == self.target.name
             and identity == self.identity
             and os.getpid() == self.pid
-            # A child given its request ahead may have ended already: its result is kept.
-            and (self.ahead is not None or not _exited_now(self.child.pid))
+            # A child given its request ahead may have ended already, its result kept.
+            and not (_exited_now(self.child.pid) and not self._has_result())
         )
+
+    def _has_result(self) -> bool:
+        return self.ahead is not None and os.fstat(self._result.fileno()).st_size > 0
 
     def give_ahead(
         self,
         in_place: Mapping[str, tuple[Path, FileVersion]],
         fields: Mapping[str, object],
-        on_blob: Callable[[Path], None] | None = None,
+        on_blob: Callable[[Path, threading.Event], CopiedBlob | None] | None = None,
     ) -> bool:
         """Give the child a compile request now, before its job exists: `fields`, and the
         user's files `in_place` (by role, with the version each had when it was hashed), read
@@ -838,24 +855,32 @@ class _WaitingChild:
             staged[role] = _in_box(self.box, None, role)
             staged[role].symlink_to(real)
         payload = _request_payload(fields, staged, self.box, self.identity)
-        self.ahead = _Ahead(dict(fields), readable, payload)
-        self._start_writing(payload)
+        taker = None
         if on_blob is not None:
             watch = _exit_watch(self.child.pid)  # now: nothing collects the child before `run`
-            blob = self.box / f"{self.ahead.blob_id}.blob"
-            self._taker = threading.Thread(
+            blob = self.box / f"{fields['blob_id']}.blob"
+            taker = threading.Thread(
                 target=self._take_compiled,
                 args=(watch, blob, on_blob),
                 name="farm-ahead-blob",
                 daemon=True,
             )
-            self._taker.start()
+        self.ahead = _Ahead(dict(fields), readable, payload)
+        self._start_writing(payload)
+        if taker is not None:
+            self._taker = taker
+            taker.start()
         return True
 
-    def _take_compiled(self, watch: int, blob: Path, on_blob: Callable[[Path], None]) -> None:
+    def _take_compiled(
+        self,
+        watch: int,
+        blob: Path,
+        on_blob: Callable[[Path, threading.Event], CopiedBlob | None],
+    ) -> None:
         """Wait for the child's end (`watch`, its pidfd); when it wrote a result that is not
-        an error, and no one is ending it, hand its `blob` to `on_blob`. Best effort: what
-        `on_blob` does not do, the job does itself."""
+        an error, and no one is ending it, hand its `blob` to `on_blob`, and keep the copy it
+        makes for the job (`copied`). Best effort: what `on_blob` does not do, the job does."""
         try:
             select.select([watch], [], [])
         finally:
@@ -866,7 +891,7 @@ class _WaitingChild:
             written = self._result.fileno()
             result = json.loads(os.pread(written, os.fstat(written).st_size, 0))
             if isinstance(result, dict) and "error" not in result:
-                on_blob(blob)
+                self.copied = on_blob(blob, self._ending)  # ending it stops the copy
         except Exception:
             log.debug("the blob of the compile given ahead was not taken ahead", exc_info=True)
 
@@ -915,6 +940,8 @@ class _WaitingChild:
         self._close_request()  # a child not yet killed reads no request, and ends
         self._end()
         self._join_threads()
+        if self.copied is not None:
+            self.copied.discard()
         self._close()
         _remove_box(self.box, self.identity)
 
@@ -973,6 +1000,16 @@ def discard_prestarted() -> None:
         _WAITING.pop().discard()
 
 
+class CopiedBlob(Protocol):
+    """What `on_blob` makes of the blob of a compile given its request ahead: a copy of it
+    elsewhere (the local store's `CopiedAhead`), which the job claims for the blob it takes
+    out of the box, or which is discarded."""
+
+    def claim(self, path: Path) -> bool: ...
+
+    def discard(self) -> None: ...
+
+
 AHEAD_BLOB_ID = "ahead"
 """The name of the blob a compile given its request ahead writes in its box."""
 AHEAD_NOTE = (
@@ -1001,7 +1038,7 @@ def request_compile_ahead(
     in_place: Mapping[str, tuple[Path, FileVersion]],
     memory_bytes: int | None,
     max_blob_bytes: int | None,
-    on_blob: Callable[[Path], None] | None = None,
+    on_blob: Callable[[Path, threading.Event], CopiedBlob | None] | None = None,
 ) -> bool:
     """Give the compile child started ahead (`prestart_compile_child`) the request of the job
     this process is about to make: compile `spec` from the user's files `in_place` (by role,
@@ -1014,7 +1051,11 @@ def request_compile_ahead(
     if not _WAITING or _WAITING[0].target != spec.target:
         return False
     fields = _compile_fields(spec, AHEAD_BLOB_ID, memory_bytes, max_blob_bytes)
-    return _WAITING[0].give_ahead(in_place, fields, on_blob)
+    try:
+        return _WAITING[0].give_ahead(in_place, fields, on_blob)
+    except OSError:  # its box half staged: the job starts a child of its own
+        discard_prestarted()
+        return False
 
 
 def _asked_ahead(

@@ -156,28 +156,31 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects):
             Path(temporary).unlink(missing_ok=True)
         return StoredObject(key, size, sha256)
 
-    def adopt_ahead(self, folder: str, path: str | Path) -> None:
+    def adopt_ahead(
+        self, folder: str, path: str | Path, stop: threading.Event | None = None
+    ) -> CopiedAhead | None:
         """Copy the file `path` (a blob a compile child wrote, given up) into `folder` of the
         store, and hash the copy, before its key is known: on the caller's thread, while the
         command goes on (the embedded `farm submit`, as its compile child given its request
-        ahead ends). The `adopt_file` of the same file (by device and inode: it may have been
-        moved) then names the copy instead of making its own. Nothing of the file is punched
-        out: should that `adopt_file` not find the copy (the file was moved to another file
-        system), it copies the file, whole, itself."""
-        directory = self._path(folder)
-        directory.mkdir(parents=True, exist_ok=True)
-        copy = _CopiedAhead(directory)
+        ahead ends). The copy is the caller's to `claim` for the file once it has taken it
+        (moved it out of the child's box), after which `adopt_file` of that file names the
+        copy instead of making its own; or to `discard`. `stop`, once set, ends the copy.
+        Nothing of the file is punched out: an `adopt_file` without the copy copies it whole.
+        None: nothing copied (not a regular file with one name, a file written as it was
+        copied, stopped)."""
+        copy = CopiedAhead(self._path(folder))
         _COPIED_AHEAD.append(copy)
-        copy.copy(Path(path))
-        if copy.sha256 is None:  # nothing to take
-            _COPIED_AHEAD.remove(copy)
+        if not copy.copy(Path(path), stop):
+            copy.discard()
+            return None
+        return copy
 
     def adopt_file(
         self, key: str, path: str | Path, expected_sha256: str | None = None
     ) -> StoredObject:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        ahead = _copied_ahead(path)
+        ahead = _claimed_copy(Path(path), target)
         if ahead is not None:
             return ahead.place(key, target, expected_sha256)
         descriptor = _open_given_up(path)
@@ -349,70 +352,92 @@ def discard_prestaged() -> None:
     while _PRESTAGED:
         _PRESTAGED.popitem()[1].discard()
     while _COPIED_AHEAD:
-        _COPIED_AHEAD.pop().temporary.unlink(missing_ok=True)
+        _COPIED_AHEAD[-1].discard()
 
 
-class _CopiedAhead:
+class CopiedAhead:
     """A file given up, copied into the store and hashed before its key is known
     (`LocalStore.adopt_ahead`)."""
 
     def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
         self.temporary = folder / f".{uuid.uuid4().hex}.partial"
-        self.done = threading.Event()
-        self.source: tuple[int, int] | None = None
-        """The device and inode of the file copied."""
-        self.sha256: str | None = None
+        self.of: tuple[int, int, int, int] | None = None
+        """The file copied, as it was throughout the copy: device, inode, size, mtime."""
+        self.claimed: Path | None = None
+        self.sha256 = ""
         self.size = 0
 
-    def copy(self, path: Path) -> None:
-        """Copy and hash the file at `path`. A file that is not there or not a regular file,
-        or a copy that fails, leaves nothing: its `adopt_file` copies it, or says why not."""
+    def copy(self, path: Path, stop: threading.Event | None) -> bool:
+        """Copy and hash the file at `path`; whether it was copied, unchanged throughout."""
         try:
             descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                info = os.fstat(descriptor)
-                if not stat.S_ISREG(info.st_mode):
-                    return
-                with open(self.temporary, "x+b") as sink:
-                    os.fchmod(sink.fileno(), 0o600)
-                    sha256 = _copy_hashed(descriptor, sink.fileno(), info.st_size, False)
-                    os.fsync(sink.fileno())
-                self.source = (info.st_dev, info.st_ino)
-                self.sha256, self.size = sha256, info.st_size
-            finally:
-                os.close(descriptor)
-        except Exception:
-            self.temporary.unlink(missing_ok=True)
+        except OSError:
+            return False
+        try:
+            before = os.fstat(descriptor)
+            if not stat.S_ISREG(before.st_mode) or before.st_nlink != 1:
+                return False
+            with open(self.temporary, "x+b") as sink:
+                os.fchmod(sink.fileno(), 0o600)
+                sha256 = _copy_hashed(descriptor, sink.fileno(), before.st_size, False, stop)
+                if _copied_as(os.fstat(descriptor)) != _copied_as(before):  # written meanwhile
+                    return False
+                os.fsync(sink.fileno())
+        except (OSError, StorageError):
+            return False
         finally:
-            self.done.set()
+            os.close(descriptor)
+        self.of, self.sha256, self.size = _copied_as(before), sha256, before.st_size
+        return True
+
+    def claim(self, path: Path) -> bool:
+        """Make this the copy of the file now at `path` (the one copied, moved), for its
+        `adopt_file`: only if it is that file, unchanged since (device, inode, size, mtime;
+        a file the compile user still writes would change); else the copy is discarded."""
+        try:
+            now = os.lstat(path)
+        except OSError:
+            now = None
+        if now is None or not stat.S_ISREG(now.st_mode) or _copied_as(now) != self.of:
+            self.discard()
+            return False
+        self.claimed = path
+        return True
 
     def place(self, key: str, target: Path, expected_sha256: str | None) -> StoredObject:
-        """Name the copy `key` (at `target`)."""
+        """Name the copy `key` (at `target`, in the copy's folder)."""
         try:
-            assert self.sha256 is not None
             check_digest(key, self.sha256, expected_sha256)
             _place(self.temporary, target, self.sha256)
         finally:
-            self.temporary.unlink(missing_ok=True)
+            self.discard()
         return StoredObject(key, self.size, self.sha256)
 
+    def discard(self) -> None:
+        """Delete the copy, not taken (or taken: `place` has linked it)."""
+        self.temporary.unlink(missing_ok=True)
+        with contextlib.suppress(ValueError):
+            _COPIED_AHEAD.remove(self)
 
-_COPIED_AHEAD: list[_CopiedAhead] = []
-"""This process's copies made by `LocalStore.adopt_ahead` that no `adopt_file` took yet."""
+
+def _copied_as(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
-def _copied_ahead(path: str | Path) -> _CopiedAhead | None:
-    """The copy `adopt_ahead` made of the file now at `path`, once it is done; None when there
-    is none (or it failed)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
+_COPIED_AHEAD: list[CopiedAhead] = []
+"""This process's copies made by `LocalStore.adopt_ahead` not yet placed or discarded."""
+
+
+def _claimed_copy(path: Path, target: Path) -> CopiedAhead | None:
+    """The copy made ahead and claimed for the file at `path`, if that file is still the one
+    copied and the copy lies where `target` goes (one store, one folder); None otherwise (a
+    copy claimed but not taken is discarded)."""
     for copy in list(_COPIED_AHEAD):
-        copy.done.wait()
-        if copy.sha256 is not None and copy.source == (info.st_dev, info.st_ino):
-            _COPIED_AHEAD.remove(copy)
-            return copy
+        if copy.claimed == path:
+            if copy.temporary.parent == target.parent and copy.claim(path):
+                return copy
+            copy.discard()
     return None
 
 
@@ -522,7 +547,13 @@ HASHED_COPY_CHUNK = 32 << 20
 """What `_copy_hashed` copies while it hashes the chunk before (measured: 8-64 MiB alike)."""
 
 
-def _copy_hashed(source: int, sink: int, size: int, release_source: bool) -> str:
+def _copy_hashed(
+    source: int,
+    sink: int,
+    size: int,
+    release_source: bool,
+    stop: threading.Event | None = None,
+) -> str:
     """Copy the first `size` bytes of `source` into the empty `sink` (open to read and write)
     and return the sha256 of
     the copy, hashed as it is made: a thread copies each next chunk (in the kernel) while this
@@ -530,7 +561,8 @@ def _copy_hashed(source: int, sink: int, size: int, release_source: bool) -> str
     can write) and starts its writeback. `release_source`: each chunk copied is punched out of
     `source`, whose pages then serve the copy's (new page cache was the slow half of the copy
     on a VM, 0.15-0.9 s for 512 MB; 0.36 s in all for copy and hash with it, bench/README.md
-    "submit_overhead"). A source that ends early fails the copy."""
+    "submit_overhead"). A source that ends early fails the copy; `stop`, once set, fails it
+    at its next chunk."""
     digest = hashlib.sha256()
     if size == 0:
         return digest.hexdigest()
@@ -552,6 +584,8 @@ def _copy_hashed(source: int, sink: int, size: int, release_source: bool) -> str
             offset, copying = 0, copier.submit(copy, 0)
             while offset < size:
                 count = copying.result()
+                if stop is not None and stop.is_set():
+                    raise StorageError("the copy into the store was stopped")
                 if offset + count < size:
                     copying = copier.submit(copy, offset + count)
                 digest.update(view[offset : offset + count])
