@@ -46,10 +46,12 @@ class Copies:
 
     def __init__(self) -> None:
         self.made: list[Copy] = []
+        self.killed: list[int] = []
+        """The process groups killed so far (`sandbox.kill_group`, where a test watches it)."""
 
     def __call__(self, blob: Path, stop: threading.Event) -> Copy:
         assert not stop.is_set()
-        self.made.append(Copy(blob.read_bytes()))
+        self.made.append(Copy(blob.read_bytes(), stop, list(self.killed)))
         return self.made[-1]
 
     def wait(self, within: float = 60.0) -> Copy:
@@ -61,12 +63,14 @@ class Copies:
 
 
 class Copy:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.claimed, self.discarded = data, None, False
+    def __init__(self, data: bytes, stop: threading.Event, killed_before: list[int]) -> None:
+        self.data, self.stop, self.killed_before = data, stop, killed_before
+        self.claimed: Path | None = None
+        self.discarded = False
 
     def claim(self, path: Path) -> bool:
         self.claimed = path
-        return True
+        return path.read_bytes() == self.data
 
     def discard(self) -> None:
         self.discarded = True
@@ -89,15 +93,27 @@ def which_model(result, in_place) -> str:
     return USERS if result.size_bytes > in_place["bin"][0].stat().st_size else STORED
 
 
-def test_the_job_takes_the_compile_it_was_given_ahead(tmp_path, stored, users_model):  # noqa: F811
+def test_the_job_takes_the_compile_it_was_given_ahead(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+    monkeypatch,
+):
+    copies = Copies()
+    kill = sandbox.kill_group
+    monkeypatch.setattr(
+        sandbox,
+        "kill_group",
+        lambda group, *rest: (copies.killed.append(group), kill(group, *rest)),
+    )
     sandbox.prestart_compile_child(CPU)
     waiting = waiting_child()
     pid, box = waiting.child.pid, waiting.box
-    copies = Copies()
 
     assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
 
     copy = copies.wait()  # compiled, and its blob copied, before any job exists
+    assert copy.killed_before == [pid]  # once whatever the child left running was killed
     result, output = compile_for_job(tmp_path, stored, users_model)
     assert output.startswith(sandbox.AHEAD_NOTE)
     assert which_model(result, users_model) == USERS
@@ -243,6 +259,35 @@ def test_a_compile_ahead_that_no_job_takes_is_ended_and_its_blobs_copy_discarded
     sandbox.discard_prestarted()  # a hit: no job
 
     assert gone(pid) and not box.exists()
+    assert copy.discarded and copy.claimed is None
+    assert copy.stop.is_set()  # a copy still being made would stop
+
+
+class Interrupted(BaseException):
+    """A Ctrl-C, say, while the job waits for the child."""
+
+
+def test_a_job_interrupted_as_it_waits_for_the_compile_ahead_discards_its_copy(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+    monkeypatch,
+):
+    run = sandbox._WaitingChild.run
+
+    def run_then_interrupt(self, *args, **kwargs):
+        run(self, *args, **kwargs)
+        raise Interrupted
+
+    monkeypatch.setattr(sandbox._WaitingChild, "run", run_then_interrupt)
+    sandbox.prestart_compile_child(CPU)
+    copies = Copies()
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    copy = copies.wait()
+
+    with pytest.raises(Interrupted):
+        compile_for_job(tmp_path, stored, users_model)
+
     assert copy.discarded and copy.claimed is None
 
 

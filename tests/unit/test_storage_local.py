@@ -312,6 +312,53 @@ def test_a_copy_is_not_claimed_for_another_file_or_one_changed_since(store, sour
     other.write_bytes(source.read_bytes())
     assert not copy.claim(other)  # the same bytes, another file
     assert leftovers(store) == [] and local._COPIED_AHEAD == []  # discarded
+    assert not copy.claim(source)  # once discarded, never claimed
+
+    again = store.adopt_ahead("blobs", source)
+    assert again is not None
+    with open(source, "r+b") as late:
+        late.write(b"tampered")
+    os.utime(source, ns=(0, 10**18))
+    assert not again.claim(source)  # the file copied, written since
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
+
+
+def test_a_copy_not_claimed_is_not_used_even_for_the_file_it_was_made_of(store, source, tmp_path):
+    """Only the job claims a copy, for the blob it took: a file that happens to be the one
+    copied (the same inode, as a reused one would be) is stored as any file is."""
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None
+    made = copy.temporary.stat().st_ino
+    moved = moved_out_of_the_box(source, tmp_path)
+
+    store.adopt_file("blobs/k.blob", moved)
+
+    assert store.local_path("blobs/k.blob").stat().st_ino != made
+    assert copy.temporary.exists()  # still the caller's to claim or discard
+    copy.discard()
+    assert leftovers(store) == ["k.blob"]
+
+
+def test_a_claimed_copy_is_used_only_in_its_own_folder(store, source, tmp_path):
+    copy = store.adopt_ahead("blobs", source)
+    assert copy is not None and copy.claim(source)
+    stored = store.adopt_file(f"models/{digest_of(source)}", source)  # another folder
+    assert store.local_path(stored.key).is_file()
+    assert leftovers(store) == [digest_of(store.local_path(stored.key))]
+    assert local._COPIED_AHEAD == []  # the copy, not usable there, deleted
+
+
+def test_a_file_written_while_it_was_copied_ahead_is_not_copied(store, source, monkeypatch):
+    copy_hashed = local._copy_hashed
+
+    def copy_then_write(source_fd, *args, **kwargs):
+        digest = copy_hashed(source_fd, *args, **kwargs)
+        os.utime(source_fd, ns=(0, 10**18))  # a late write (its mtime and ctime change)
+        return digest
+
+    monkeypatch.setattr(local, "_copy_hashed", copy_then_write)
+    assert store.adopt_ahead("blobs", source) is None
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
 
 
 def test_a_claimed_copy_still_answers_for_its_digest(store, source):

@@ -629,9 +629,14 @@ def _child_in_box(
         if waiting is not None and ahead is not None:
             request.write_bytes(ahead.payload)  # beside the job's log, as any child's request
             taken, waiting = waiting, None  # `run` ends it, whatever happens
-            returncode, timed_out = taken.run(
-                request, result_path, log_path, timeout_seconds, should_stop
-            )
+            try:
+                returncode, timed_out = taken.run(
+                    request, result_path, log_path, timeout_seconds, should_stop
+                )
+            except BaseException:
+                if taken.copied is not None:  # no one will claim it
+                    taken.copied.discard()
+                raise
             yield _finished_run(
                 box, log_path, result_path, returncode, timed_out, read_in_place,
                 ahead.blob_id, ahead=True, copied=taken.copied,
@@ -763,10 +768,12 @@ def _watch_child(
     env: Mapping[str, str],
     timeout_seconds: float,
     should_stop: Callable[[], bool],
+    reaping: threading.Lock | None = None,
 ) -> tuple[int, bool]:
     """Wait for `child` to end, killing it past `timeout_seconds` or when `should_stop`;
     returns (exit code, timed out). Whatever it leaves running in its process group is killed
-    before its exit is collected."""
+    before its exit is collected (holding `reaping`, which another thread that kills the group
+    holds too)."""
     started = time.monotonic()
     exited = _exit_watch(child.pid)
     try:
@@ -776,9 +783,10 @@ def _watch_child(
             if time.monotonic() - started > timeout_seconds:
                 return -signal.SIGKILL, True
     finally:
-        # Not yet collected, the child's pid (its process group's id) is still its own.
-        kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
-        child.wait()
+        with reaping or contextlib.nullcontext():
+            # Not yet collected, the child's pid (its process group's id) is still its own.
+            kill_group(child.pid, identity, _has_exited(exited, child.pid, 0), env)
+            child.wait()
         os.close(exited)
     return child.returncode, False
 
@@ -800,6 +808,9 @@ class _WaitingChild:
         self._ending = threading.Event()
         self.copied: CopiedBlob | None = None
         """The copy `on_blob` made of the blob of its request given ahead, if any."""
+        self._reaping = threading.Lock()
+        """Held to kill the child's group and to collect the child: the group is killed only
+        while the child is not collected (its pid, the group's id, then still its own)."""
         # Where `_make_box` puts the box of a job folder in the temporary directory.
         self.box = _make_box(Path(tempfile.gettempdir(), "job"), identity)
         self.env = child_environment(os.environ, self.box)
@@ -868,8 +879,12 @@ class _WaitingChild:
         self.ahead = _Ahead(dict(fields), readable, payload)
         self._start_writing(payload)
         if taker is not None:
+            try:
+                taker.start()
+            except BaseException:
+                os.close(watch)
+                raise
             self._taker = taker
-            taker.start()
         return True
 
     def _take_compiled(
@@ -888,6 +903,9 @@ class _WaitingChild:
         if self._ending.is_set():
             return
         try:
+            with self._reaping:  # whatever the child left running cannot write the blob on
+                if self.child.returncode is None:
+                    kill_group(self.child.pid, self.identity, True, self.env)
             written = self._result.fileno()
             result = json.loads(os.pread(written, os.fstat(written).st_size, 0))
             if isinstance(result, dict) and "error" not in result:
@@ -925,7 +943,12 @@ class _WaitingChild:
                     self._end()
                     raise
                 self._start_writing(payload)
-            return _watch_child(self.child, self.identity, self.env, timeout_seconds, should_stop)
+            return _watch_child(
+                self.child, self.identity, self.env, timeout_seconds, should_stop, self._reaping
+            )
+        except BaseException:
+            self._ending.set()  # a blob being copied for nothing: stopped
+            raise
         finally:
             self._join_threads()  # the child has ended: the write is done or broken
             for unnamed, path in ((self._result, result_path), (self._log, log_path)):
@@ -953,8 +976,9 @@ class _WaitingChild:
 
     def _end(self) -> None:
         """Kill the child's process group and collect the child (once: its pid is then free)."""
-        kill_group(self.child.pid, self.identity, _exited_now(self.child.pid), self.env)
-        self.child.wait()
+        with self._reaping:
+            kill_group(self.child.pid, self.identity, _exited_now(self.child.pid), self.env)
+            self.child.wait()
 
     def _close_request(self) -> None:
         if self._request is not None:
@@ -1053,7 +1077,8 @@ def request_compile_ahead(
     fields = _compile_fields(spec, AHEAD_BLOB_ID, memory_bytes, max_blob_bytes)
     try:
         return _WAITING[0].give_ahead(in_place, fields, on_blob)
-    except OSError:  # its box half staged: the job starts a child of its own
+    except Exception:  # its box half staged, say: the job starts a child of its own
+        log.debug("no request given ahead", exc_info=True)
         discard_prestarted()
         return False
 

@@ -351,8 +351,9 @@ def discard_prestaged() -> None:
     `adopt_ahead` made that no `adopt_file` took."""
     while _PRESTAGED:
         _PRESTAGED.popitem()[1].discard()
-    while _COPIED_AHEAD:
-        _COPIED_AHEAD[-1].discard()
+    for copy in list(_COPIED_AHEAD):
+        with contextlib.suppress(OSError):  # the others still go
+            copy.discard()
 
 
 class CopiedAhead:
@@ -367,6 +368,7 @@ class CopiedAhead:
         self.claimed: Path | None = None
         self.sha256 = ""
         self.size = 0
+        self.discarded = False
 
     def copy(self, path: Path, stop: threading.Event | None) -> bool:
         """Copy and hash the file at `path`; whether it was copied, unchanged throughout."""
@@ -381,7 +383,8 @@ class CopiedAhead:
             with open(self.temporary, "x+b") as sink:
                 os.fchmod(sink.fileno(), 0o600)
                 sha256 = _copy_hashed(descriptor, sink.fileno(), before.st_size, False, stop)
-                if _copied_as(os.fstat(descriptor)) != _copied_as(before):  # written meanwhile
+                after = os.fstat(descriptor)
+                if version_of(after) != version_of(before):  # written meanwhile (the ctime too)
                     return False
                 os.fsync(sink.fileno())
         except (OSError, StorageError):
@@ -399,7 +402,12 @@ class CopiedAhead:
             now = os.lstat(path)
         except OSError:
             now = None
-        if now is None or not stat.S_ISREG(now.st_mode) or _copied_as(now) != self.of:
+        if (
+            self.discarded
+            or now is None
+            or not stat.S_ISREG(now.st_mode)
+            or _copied_as(now) != self.of
+        ):
             self.discard()
             return False
         self.claimed = path
@@ -416,6 +424,7 @@ class CopiedAhead:
 
     def discard(self) -> None:
         """Delete the copy, not taken (or taken: `place` has linked it)."""
+        self.discarded = True
         self.temporary.unlink(missing_ok=True)
         with contextlib.suppress(ValueError):
             _COPIED_AHEAD.remove(self)
