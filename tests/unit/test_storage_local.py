@@ -9,6 +9,7 @@ import os
 import stat
 import tempfile
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -715,3 +716,25 @@ def test_a_folder_the_file_system_cannot_flush_still_stores(store, tmp_path, mon
     given.write_bytes(b"blob")
     assert store.adopt_file("blobs/k.blob", given).size == 4
     assert store.local_path("blobs/k.blob").read_bytes() == b"blob"
+
+
+def test_partial_files_of_dead_writers_are_deleted_once_idle_long_enough(store, source):
+    """What a process killed while it wrote into the store leaves: the reconciler deletes it
+    once no one has written it for as long as an idle S3 upload is given."""
+    digest = digest_of(source)
+    store.put_file(f"models/{digest}", source, expected_sha256=digest)
+    (store.root / "blobs").mkdir()
+    old = store.root / "blobs" / ".k.blob.0123.partial"  # a blob's copy, its writer gone
+    old.write_bytes(b"half a blob")
+    os.utime(old, (0, 0))
+    fresh = store.root / "models" / ".0456.partial"  # a copy going on now
+    fresh.write_bytes(b"a model being copied")
+    lookalike = store.root / "blobs" / "x.partial"  # an object's name, not a partial file
+    lookalike.write_bytes(b"kept")
+    os.utime(lookalike, (0, 0))
+
+    assert store.abort_stale_uploads(timedelta(hours=1)) == ["blobs/.k.blob.0123.partial"]
+
+    assert not old.exists() and fresh.exists() and lookalike.exists()
+    assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
+    assert store.abort_stale_uploads(timedelta(hours=1)) == []

@@ -5,7 +5,8 @@ Runs periodically (Celery beat → the `control` queue) or as `farm reconcile`. 
   infrastructure error) or waited in the queue past the maximum;
 - takes back running jobs whose lease expired (their worker died) and re-sends them;
 - re-sends queued jobs whose message may be lost (below);
-- aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long);
+- aborts multipart uploads idle past `stale_upload_seconds` (no part received for that long),
+  and in a local store deletes the partial files of writers that died, idle as long;
 - sends again the reference runs that were lost (`reference_run`): a blob's reference still
   `pending` whose run's lease expired (its worker or detached process died), or that no run
   claimed `resend_after_seconds` after the blob was recorded. Each send is one of the job's
