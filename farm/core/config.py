@@ -111,8 +111,9 @@ class SettingsFields:
     resend_after_seconds: int = 300
     """The reconciler re-sends a queued job's message after this long without a claim."""
     stale_upload_seconds: int = 3600
-    """The reconciler aborts an unfinished multipart upload idle this long (no part sent);
-    an upload still sending parts is never aborted, however long it runs."""
+    """The reconciler aborts an unfinished multipart upload idle this long (no part sent),
+    and deletes a local store's partial file neither written nor renamed for this long; an
+    upload still sending parts is never aborted, however long it runs."""
     model_grace_seconds: int = 24 * 3600
     """`farm gc` deletes model files no job names once they are this old, so a model uploaded
     but not yet submitted survives."""

@@ -15,7 +15,6 @@ from farm.server.db.models import Job
 from farm.server.db.session import upgrade_database
 from farm.server.jobs import reconcile as reconcile_module
 from farm.server.jobs.reconcile import ReconcileReport, reconcile
-from farm.server.storage import AbortsStaleUploads
 from farm.server.storage.local import LocalStore
 from tests.unit.conftest import (
     NOWHERE_BROKER,
@@ -308,10 +307,11 @@ def test_each_rule_touches_only_its_own_jobs(served_farm, model_id, stub):
     assert states == {exhausted: "failed", too_old: "failed"}
 
 
-class RecordingStore(LocalStore, AbortsStaleUploads):
-    """The farm's local store, with the multipart uploads of an S3 store: it records how idle
-    the reconciler says an upload must be to abort it and answers the keys it "aborted"
-    (which uploads are idle is the S3 store's rule: tests/integration/test_stale_uploads.py)."""
+class RecordingStore(LocalStore):
+    """The farm's local store, recording how idle the reconciler says an unfinished write must
+    be to abort it, and answering what it "aborted" (which writes are idle is each store's
+    rule: tests/integration/test_stale_uploads.py for S3, tests/unit/test_storage_local.py for
+    the local folder)."""
 
     def __init__(self, root, aborted: list[str]) -> None:
         super().__init__(root)

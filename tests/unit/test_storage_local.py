@@ -9,6 +9,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -718,23 +719,77 @@ def test_a_folder_the_file_system_cannot_flush_still_stores(store, tmp_path, mon
     assert store.local_path("blobs/k.blob").read_bytes() == b"blob"
 
 
+IDLE = timedelta(seconds=1)
+"""The idle time the sweep tests give a partial file: ctime cannot be set back, so a file
+"older" than that is one written a little more than a second ago."""
+
+
+def idle() -> None:
+    """Wait until what was just written is idle for longer than IDLE."""
+    time.sleep(IDLE.total_seconds() * 1.2)
+
+
 def test_partial_files_of_dead_writers_are_deleted_once_idle_long_enough(store, source):
     """What a process killed while it wrote into the store leaves: the reconciler deletes it
     once no one has written it for as long as an idle S3 upload is given."""
     digest = digest_of(source)
     store.put_file(f"models/{digest}", source, expected_sha256=digest)
-    (store.root / "blobs").mkdir()
-    old = store.root / "blobs" / ".k.blob.0123.partial"  # a blob's copy, its writer gone
-    old.write_bytes(b"half a blob")
-    os.utime(old, (0, 0))
+    (store.root / "references" / "k").mkdir(parents=True)
+    old = store.root / "references" / "k" / ".r.npz.0123.partial"  # its writer gone
+    old.write_bytes(b"half a reference")
+    lookalike = store.root / "references" / "x.partial"  # an object's name, not a partial
+    lookalike.write_bytes(b"kept")
+    outside = store.root.parent / "outside"  # a link never leads the sweep out of the store
+    outside.mkdir()
+    (outside / ".theirs.partial").write_bytes(b"not the store's")
+    (store.root / "linked").symlink_to(outside)
+    idle()
     fresh = store.root / "models" / ".0456.partial"  # a copy going on now
     fresh.write_bytes(b"a model being copied")
-    lookalike = store.root / "blobs" / "x.partial"  # an object's name, not a partial file
-    lookalike.write_bytes(b"kept")
-    os.utime(lookalike, (0, 0))
 
-    assert store.abort_stale_uploads(timedelta(hours=1)) == ["blobs/.k.blob.0123.partial"]
+    assert store.abort_stale_uploads(IDLE) == ["references/k/.r.npz.0123.partial"]
 
     assert not old.exists() and fresh.exists() and lookalike.exists()
+    assert (outside / ".theirs.partial").exists()
     assert store.local_path(f"models/{digest}").read_bytes() == source.read_bytes()
-    assert store.abort_stale_uploads(timedelta(hours=1)) == []
+
+
+def test_a_partial_file_renamed_just_now_is_not_a_dead_writers(store, source):
+    """`adopt_file` moves the file it is given to a partial name, then hashes it: the file may
+    have been written hours ago (a stage's IR beside a long compile), but the rename is now."""
+    os.utime(source, (0, 0))
+    idle()
+    given_up = store.root / "models" / ".being-hashed.partial"
+    given_up.parent.mkdir(parents=True)
+    source.rename(given_up)
+    assert store.abort_stale_uploads(IDLE) == [] and given_up.exists()
+
+
+def test_the_store_is_read_for_partial_files_at_most_once_in_half_the_idle_time(store):
+    (store.root / "blobs").mkdir(parents=True)
+    dead = store.root / "blobs" / ".k.blob.1.partial"
+    dead.write_bytes(b"half a blob")
+    idle()
+    marker = store.root / local.SWEPT_MARKER
+    marker.touch()  # a pass a moment ago (the reconciler runs every few minutes)
+    assert store.abort_stale_uploads(IDLE) == [] and dead.exists()
+    os.utime(marker, (0, 0))  # long ago
+    assert store.abort_stale_uploads(IDLE) == ["blobs/.k.blob.1.partial"]
+
+
+def test_a_partial_file_it_cannot_delete_is_left_and_the_others_go(store, monkeypatch):
+    (store.root / "blobs").mkdir(parents=True)
+    stuck, deleted = (store.root / "blobs" / f".{n}.partial" for n in ("a", "b"))
+    for path in (stuck, deleted):
+        path.write_bytes(b"x")
+    idle()
+    unlink = Path.unlink
+
+    def refuse(path, *args, **kwargs):
+        if path == stuck:
+            raise PermissionError(errno.EACCES, "refused", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert store.abort_stale_uploads(IDLE) == ["blobs/.b.partial"]
+    assert stuck.exists() and not deleted.exists()

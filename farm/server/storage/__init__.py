@@ -221,12 +221,13 @@ class LocalPaths(abc.ABC):
 
 
 class AbortsStaleUploads(abc.ABC):
-    """Multipart uploads can be left unfinished by a dead writer; the reconciler aborts them."""
+    """A dead writer leaves its write unfinished (S3: a multipart upload; the local folder: a
+    partial file); the reconciler aborts them."""
 
     @abc.abstractmethod
     def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
-        """Abort unfinished uploads idle (no part received) for `older_than`; returns their
-        keys."""
+        """Abort unfinished writes idle (nothing received) for `older_than`; returns what they
+        were (S3: their keys; the local folder: the partial files' paths)."""
 
 
 class ListsObjects(abc.ABC):

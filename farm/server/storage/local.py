@@ -43,6 +43,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import shutil
@@ -73,6 +74,8 @@ from farm.server.storage import (
     check_digest,
     check_key,
 )
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 COPY_PIECE_BYTES = 64 << 20
@@ -184,7 +187,9 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects, AbortsStaleUploads):
         target.parent.mkdir(parents=True, exist_ok=True)
         ahead = _claimed_copy(Path(path), target)
         if ahead is not None:
-            return ahead.place(key, target, expected_sha256)
+            if ahead.temporary.exists():
+                return ahead.place(key, target, expected_sha256)
+            ahead.discard()  # swept as a dead writer's (abort_stale_uploads): copied again
         descriptor = _open_given_up(path)
         temporary = _partial_name(target)
         try:
@@ -263,21 +268,30 @@ class LocalStore(BlobStore, LocalPaths, ListsObjects, AbortsStaleUploads):
     def abort_stale_uploads(self, older_than: timedelta) -> list[str]:
         """Delete the partial files of writers that died (an upload, a model's copy, a blob
         copied ahead: a `.partial` beside its object, which a process killed outright, or a
-        machine that stopped, leaves behind): those not written for `older_than`, as S3's
-        multipart uploads idle that long are aborted. Returns their paths in the store.
-        Reads every folder of the store: about a second per million objects."""
-        cutoff = time.time() - older_than.total_seconds()
+        machine that stopped, leaves behind): those neither written nor renamed (mtime and
+        ctime) for `older_than`, as S3's multipart uploads idle that long are aborted. Returns
+        their paths in the store. It reads every folder of the store, so it does so at most
+        once in half of `older_than` (the reconciler calls it far more often); a file it
+        cannot delete is logged and left."""
+        now = time.time()
+        marker = self.root / SWEPT_MARKER
+        with contextlib.suppress(FileNotFoundError):
+            if now - marker.stat().st_mtime < older_than.total_seconds() / 2:
+                return []
+        with contextlib.suppress(FileNotFoundError):
+            marker.touch()
+        cutoff = now - older_than.total_seconds()
         removed = []
-        for folder, _, names in os.walk(self.root):
-            for name in names:
-                if not (name.startswith(".") and name.endswith(".partial")):
-                    continue
-                partial = Path(folder, name)
-                with contextlib.suppress(FileNotFoundError):
-                    info = partial.lstat()
-                    if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
-                        partial.unlink()
-                        removed.append(partial.relative_to(self.root).as_posix())
+        for partial in _partial_files(self.root):
+            try:
+                info = partial.lstat()
+                if stat.S_ISREG(info.st_mode) and max(info.st_mtime, info.st_ctime) < cutoff:
+                    partial.unlink()
+                    removed.append(partial.relative_to(self.root).as_posix())
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                log.warning("left %s, a partial file it could not delete: %s", partial, error)
         return sorted(removed)
 
     def check(self) -> None:
@@ -347,6 +361,8 @@ class _Prestaged:
             # and its digest is not this copy's.
             if not self.version == self.after == version == version_now(self.source):
                 return None
+            if not self.temporary.exists():  # swept as a dead writer's (abort_stale_uploads)
+                return None
             _place(self.temporary, target, sha256)
             if self.uncached:
                 _COPIED_FROM[target] = (self.source, self.version)
@@ -366,6 +382,25 @@ _PRESTAGED: dict[str, _Prestaged] = {}
 """This process's model copies started by `LocalStore.prestage`, by the source's path."""
 _COPIED_FROM: dict[Path, tuple[Path, FileVersion]] = {}
 """The uncached copies this process stored, by their place: where from, at which version."""
+
+
+SWEPT_MARKER = ".partials-swept"
+"""In the store's root: when `abort_stale_uploads` last read the store."""
+
+
+def _partial_files(folder: Path) -> Iterator[Path]:
+    """The writers' partial files (``.<name>.partial``) under `folder`, one entry at a time,
+    never through a link."""
+    try:
+        entries = os.scandir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _partial_files(Path(entry.path))
+            elif entry.name.startswith(".") and entry.name.endswith(".partial"):
+                yield Path(entry.path)
 
 
 def discard_prestaged() -> None:
