@@ -609,7 +609,9 @@ def _child_in_box(
     everything is), run it to its end, and remove the box after the caller took what it
     wanted from it. Request, result and log sit beside `out_dir`, named after `name`.
     `names`: where each role's file goes in the box (a relative path; a model folder's layout);
-    default ``model.<role>``. `in_place`: see `compile_in_child`."""
+    default ``model.<role>``. `in_place`: see `compile_in_child`. A child started ahead that
+    was given this very request already (`request_compile_ahead`) is only watched to its end;
+    one given another is ended, and a child of this request's own runs it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     request = out_dir.parent / f"{name}.request.json"
     result_path = out_dir.parent / f"{name}.result.json"
