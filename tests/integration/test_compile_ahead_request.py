@@ -5,6 +5,7 @@ when the job asks for the very same compile of the very same files; anything els
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -67,6 +68,9 @@ class Copy:
         self.data, self.stop, self.killed_before = data, stop, killed_before
         self.claimed: Path | None = None
         self.discarded = False
+
+    def matches(self, path: Path) -> bool:
+        return path.read_bytes() == self.data
 
     def claim(self, path: Path) -> bool:
         self.claimed = path
@@ -145,6 +149,38 @@ def test_the_store_names_the_copy_made_as_the_compile_given_ahead_ended(
     assert kept.read_bytes() == result.blob_path.read_bytes()
     assert stored_blob.sha256 == hashlib.sha256(kept.read_bytes()).hexdigest()
     assert local._COPIED_AHEAD == [] and [p.name for p in kept.parent.iterdir()] == ["k.blob"]
+
+
+def test_the_copy_made_ahead_is_named_for_a_blob_copied_out_of_a_box_on_another_disk(
+    tmp_path,
+    stored,  # noqa: F811
+    users_model,  # noqa: F811
+    monkeypatch,
+):
+    """A child started ahead has its box in the temporary folder, which may be another file
+    system than the job's (a tmpfs /tmp): the blob is copied out of the box, not moved, and
+    the copy made ahead still serves it."""
+    replace = os.replace
+
+    def across_file_systems(source, dest, *args, **kwargs):
+        if Path(source).name == f"{sandbox.AHEAD_BLOB_ID}.blob":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return replace(source, dest, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", across_file_systems)
+    store = LocalStore(tmp_path / "store")
+    sandbox.prestart_compile_child(CPU)
+    on_blob = partial(store.adopt_ahead, BLOBS_FOLDER)
+    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=on_blob)
+
+    result, _ = compile_for_job(tmp_path, stored, users_model)
+    [copy] = local._COPIED_AHEAD
+    made = copy.temporary.stat().st_ino
+    store.adopt_file("blobs/k.blob", result.blob_path)
+
+    kept = store.local_path("blobs/k.blob")
+    assert kept.stat().st_ino == made and kept.read_bytes() == result.blob_path.read_bytes()
+    assert local._COPIED_AHEAD == []
 
 
 def test_a_job_asking_for_another_compile_ends_the_one_given_ahead(

@@ -261,6 +261,7 @@ def test_a_blob_copied_ahead_and_claimed_is_what_its_adopt_stores(store, source,
     assert copy is not None
     made = copy.temporary.stat().st_ino  # the copy, flushed, under no key yet
     assert leftovers(store) == [copy.temporary.name]
+    assert copy.matches(source)
     moved = moved_out_of_the_box(source, tmp_path)
     assert copy.claim(moved)
 
@@ -312,16 +313,23 @@ def test_a_copy_is_not_claimed_for_another_file_or_one_changed_since(store, sour
     assert copy is not None
     other = tmp_path / "other.blob"
     other.write_bytes(source.read_bytes())
-    assert not copy.claim(other)  # the same bytes, another file
+    assert not copy.matches(other)  # the same bytes, another file
     assert leftovers(store) == [] and local._COPIED_AHEAD == []  # discarded
-    assert not copy.claim(source)  # once discarded, never claimed
+    assert not copy.matches(source) and not copy.claim(source)  # once discarded, never
 
     again = store.adopt_ahead("blobs", source)
     assert again is not None
     with open(source, "r+b") as late:
         late.write(b"tampered")
     os.utime(source, ns=(0, 10**18))
-    assert not again.claim(source)  # the file copied, written since
+    assert not again.matches(source)  # the file copied, written since
+    assert leftovers(store) == [] and local._COPIED_AHEAD == []
+
+    third = store.adopt_ahead("blobs", source)
+    assert third is not None and third.matches(source)
+    shorter = tmp_path / "shorter.blob"  # what the box's file became, copied out of the box
+    shorter.write_bytes(source.read_bytes()[:-1])
+    assert not third.claim(shorter)  # not the size the copy has: not that file
     assert leftovers(store) == [] and local._COPIED_AHEAD == []
 
 

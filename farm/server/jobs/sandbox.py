@@ -192,9 +192,13 @@ def compile_in_child(
                         result["message"]
                     )
                     raise _with_output(error, output)
-                blob = _take_blob(run.box / f"{run.blob_id}.blob", out_dir / f"{blob_id}.blob")
-                # The copy made of it as its child ended: the store's adopt_file takes it.
-                claimed = run.copied is not None and run.copied.claim(blob)
+                written = run.box / f"{run.blob_id}.blob"
+                # The copy made of it as its child ended, if it is still that file: the
+                # store's adopt_file takes it for the blob, wherever the blob was moved or
+                # copied to (the box on another file system than the job's folder).
+                unchanged = run.copied is not None and run.copied.matches(written)
+                blob = _take_blob(written, out_dir / f"{blob_id}.blob")
+                claimed = unchanged and run.copied is not None and run.copied.claim(blob)
         finally:
             if run.copied is not None and not claimed:  # void, failed, or not this blob
                 run.copied.discard()
@@ -1028,8 +1032,11 @@ def discard_prestarted() -> None:
 
 class CopiedBlob(Protocol):
     """What `on_blob` makes of the blob of a compile given its request ahead: a copy of it
-    elsewhere (the local store's `CopiedAhead`), which the job claims for the blob it takes
-    out of the box, or which is discarded."""
+    elsewhere (the local store's `CopiedAhead`). The job checks that the blob in the box
+    `matches` it, then claims it for the blob it took out of the box; otherwise it is
+    discarded."""
+
+    def matches(self, path: Path) -> bool: ...
 
     def claim(self, path: Path) -> bool: ...
 

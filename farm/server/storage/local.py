@@ -423,6 +423,8 @@ class CopiedAhead:
         self.of: tuple[int, int, int, int] | None = None
         """The file copied, as it was throughout the copy: device, inode, size, mtime."""
         self.claimed: Path | None = None
+        self.claimed_as: tuple[int, int, int, int] | None = None
+        """The file claimed, as it was then (a copy of it in the box, or it, moved)."""
         self.sha256 = ""
         self.size = 0
         self.discarded = False
@@ -451,23 +453,27 @@ class CopiedAhead:
         self.of, self.sha256, self.size = _copied_as(before), sha256, before.st_size
         return True
 
+    def matches(self, path: Path) -> bool:
+        """Whether the file at `path` is the one copied, unchanged since (device, inode, size,
+        mtime: a file the compile user still wrote would differ); if not, the copy is
+        discarded."""
+        if not self.discarded and _stat_of(path, self.of):
+            return True
+        self.discard()
+        return False
+
     def claim(self, path: Path) -> bool:
-        """Make this the copy of the file now at `path` (the one copied, moved), for its
-        `adopt_file`: only if it is that file, unchanged since (device, inode, size, mtime;
-        a file the compile user still writes would change); else the copy is discarded."""
+        """Make this the copy of the file now at `path`, for its `adopt_file`: the file that
+        `matches` found, since moved or copied there (its size this copy's); else the copy
+        is discarded."""
         try:
             now = os.lstat(path)
         except OSError:
             now = None
-        if (
-            self.discarded
-            or now is None
-            or not stat.S_ISREG(now.st_mode)
-            or _copied_as(now) != self.of
-        ):
+        if self.discarded or now is None or not _a_file_of(now, self.size):
             self.discard()
             return False
-        self.claimed = path
+        self.claimed, self.claimed_as = path, _copied_as(now)
         return True
 
     def place(self, key: str, target: Path, expected_sha256: str | None) -> StoredObject:
@@ -491,17 +497,30 @@ def _copied_as(info: os.stat_result) -> tuple[int, int, int, int]:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
+def _a_file_of(info: os.stat_result, size: int) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_size == size
+
+
+def _stat_of(path: Path, expected: tuple[int, int, int, int] | None) -> bool:
+    """Whether `path` is a regular file whose device, inode, size and mtime are `expected`."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and _copied_as(info) == expected
+
+
 _COPIED_AHEAD: list[CopiedAhead] = []
 """This process's copies made by `LocalStore.adopt_ahead` not yet placed or discarded."""
 
 
 def _claimed_copy(path: Path, target: Path) -> CopiedAhead | None:
     """The copy made ahead and claimed for the file at `path`, if that file is still the one
-    copied and the copy lies where `target` goes (one store, one folder); None otherwise (a
+    claimed and the copy lies where `target` goes (one store, one folder); None otherwise (a
     copy claimed but not taken is discarded)."""
     for copy in list(_COPIED_AHEAD):
         if copy.claimed == path:
-            if copy.temporary.parent == target.parent and copy.claim(path):
+            if copy.temporary.parent == target.parent and _stat_of(path, copy.claimed_as):
                 return copy
             copy.discard()
     return None
