@@ -780,13 +780,17 @@ def _watch_child(
     returns (exit code, timed out). Whatever it leaves running in its process group is killed
     before its exit is collected (holding `reaping`, which another thread that kills the group
     holds too)."""
-    started = time.monotonic()
+    deadline = time.monotonic() + timeout_seconds
     exited = _exit_watch(child.pid)
     try:
-        while not _has_exited(exited, child.pid, POLL_SECONDS):
+        # Woken at the deadline, not up to a poll after it: a child still running at its limit
+        # is over it, even one that would have ended within that poll.
+        while not _has_exited(
+            exited, child.pid, min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+        ):
             if should_stop():
                 raise CompileCancelled("compile cancelled")
-            if time.monotonic() - started > timeout_seconds:
+            if time.monotonic() >= deadline:
                 return -signal.SIGKILL, True
     finally:
         with reaping or contextlib.nullcontext():
