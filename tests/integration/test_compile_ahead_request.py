@@ -92,6 +92,27 @@ def compile_for_job(tmp_path, stored, in_place, max_blob_bytes=LIMIT):  # noqa: 
     )
 
 
+def given_ahead(in_place, on_blob=None) -> sandbox._WaitingChild:
+    """A compile child started ahead and given the request SPEC of the files `in_place`."""
+    sandbox.prestart_compile_child(CPU)
+    waiting = waiting_child()
+    assert sandbox.request_compile_ahead(SPEC, in_place, None, LIMIT, on_blob=on_blob)
+    return waiting
+
+
+def stored_through_the_copy_ahead(tmp_path, stored, in_place):  # noqa: F811
+    """A job's compile taken from the child given its request ahead, and its blob stored in
+    a local store: (the compile's result, what the store answered, the stored file, the inode
+    of the copy made ahead)."""
+    store = LocalStore(tmp_path / "store")
+    given_ahead(in_place, on_blob=partial(store.adopt_ahead, BLOBS_FOLDER))
+    result, _ = compile_for_job(tmp_path, stored, in_place)
+    [copy] = local._COPIED_AHEAD
+    made = copy.temporary.stat().st_ino
+    stored_blob = store.adopt_file("blobs/k.blob", result.blob_path)
+    return result, stored_blob, store.local_path("blobs/k.blob"), made
+
+
 def which_model(result, in_place) -> str:
     """Whose model the blob holds: the user's is far bigger than the store's stand-in."""
     return USERS if result.size_bytes > in_place["bin"][0].stat().st_size else STORED
@@ -110,11 +131,8 @@ def test_the_job_takes_the_compile_it_was_given_ahead(
         "kill_group",
         lambda group, *rest: (copies.killed.append(group), kill(group, *rest)),
     )
-    sandbox.prestart_compile_child(CPU)
-    waiting = waiting_child()
+    waiting = given_ahead(users_model, on_blob=copies)
     pid, box = waiting.child.pid, waiting.box
-
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
 
     copy = copies.wait()  # compiled, and its blob copied, before any job exists
     assert copy.killed_before == [pid]  # once whatever the child left running was killed
@@ -134,17 +152,8 @@ def test_the_store_names_the_copy_made_as_the_compile_given_ahead_ended(
     stored,  # noqa: F811
     users_model,  # noqa: F811
 ):
-    store = LocalStore(tmp_path / "store")
-    sandbox.prestart_compile_child(CPU)
-    on_blob = partial(store.adopt_ahead, BLOBS_FOLDER)
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=on_blob)
+    result, stored_blob, kept, made = stored_through_the_copy_ahead(tmp_path, stored, users_model)
 
-    result, _ = compile_for_job(tmp_path, stored, users_model)
-    [copy] = local._COPIED_AHEAD
-    made = copy.temporary.stat().st_ino
-    stored_blob = store.adopt_file("blobs/k.blob", result.blob_path)
-
-    kept = store.local_path("blobs/k.blob")
     assert kept.stat().st_ino == made  # the copy, named; the blob was not copied again
     assert kept.read_bytes() == result.blob_path.read_bytes()
     assert stored_blob.sha256 == hashlib.sha256(kept.read_bytes()).hexdigest()
@@ -168,17 +177,9 @@ def test_the_copy_made_ahead_is_named_for_a_blob_copied_out_of_a_box_on_another_
         return replace(source, dest, *args, **kwargs)
 
     monkeypatch.setattr(os, "replace", across_file_systems)
-    store = LocalStore(tmp_path / "store")
-    sandbox.prestart_compile_child(CPU)
-    on_blob = partial(store.adopt_ahead, BLOBS_FOLDER)
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=on_blob)
 
-    result, _ = compile_for_job(tmp_path, stored, users_model)
-    [copy] = local._COPIED_AHEAD
-    made = copy.temporary.stat().st_ino
-    store.adopt_file("blobs/k.blob", result.blob_path)
+    result, _, kept, made = stored_through_the_copy_ahead(tmp_path, stored, users_model)
 
-    kept = store.local_path("blobs/k.blob")
     assert kept.stat().st_ino == made and kept.read_bytes() == result.blob_path.read_bytes()
     assert local._COPIED_AHEAD == []
 
@@ -188,10 +189,8 @@ def test_a_job_asking_for_another_compile_ends_the_one_given_ahead(
     stored,  # noqa: F811
     users_model,  # noqa: F811
 ):
-    sandbox.prestart_compile_child(CPU)
-    pid = waiting_child().child.pid
     copies = Copies()
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    pid = given_ahead(users_model, on_blob=copies).child.pid
     copy = copies.wait()
 
     # Limits are part of the request: a job with others compiles in a child of its own.
@@ -208,10 +207,8 @@ def test_a_file_changed_after_the_request_ahead_is_compiled_from_the_stores_copy
     stored,  # noqa: F811
     users_model,  # noqa: F811
 ):
-    sandbox.prestart_compile_child(CPU)
-    pid = waiting_child().child.pid
     copies = Copies()
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    pid = given_ahead(users_model, on_blob=copies).child.pid
     copy = copies.wait()
     rewrite(users_model["bin"])
 
@@ -239,9 +236,8 @@ def test_a_file_changed_while_the_job_waited_for_the_compile_ahead_voids_it(
         return ended
 
     monkeypatch.setattr(sandbox._WaitingChild, "run", run_then_edit)
-    sandbox.prestart_compile_child(CPU)
     copies = Copies()
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    given_ahead(users_model, on_blob=copies)
     copy = copies.wait()
 
     result, _ = compile_for_job(tmp_path, stored, users_model)
@@ -285,11 +281,9 @@ def test_a_request_ahead_is_given_only_to_a_child_that_may_read_every_file_in_pl
 def test_a_compile_ahead_that_no_job_takes_is_ended_and_its_blobs_copy_discarded(
     users_model,  # noqa: F811
 ):
-    sandbox.prestart_compile_child(CPU)
-    waiting = waiting_child()
-    pid, box = waiting.child.pid, waiting.box
     copies = Copies()
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    waiting = given_ahead(users_model, on_blob=copies)
+    pid, box = waiting.child.pid, waiting.box
     copy = copies.wait()  # it ended, and its blob was copied
 
     sandbox.discard_prestarted()  # a hit: no job
@@ -316,9 +310,8 @@ def test_a_job_interrupted_as_it_waits_for_the_compile_ahead_discards_its_copy(
         raise Interrupted
 
     monkeypatch.setattr(sandbox._WaitingChild, "run", run_then_interrupt)
-    sandbox.prestart_compile_child(CPU)
     copies = Copies()
-    assert sandbox.request_compile_ahead(SPEC, users_model, None, LIMIT, on_blob=copies)
+    given_ahead(users_model, on_blob=copies)
     copy = copies.wait()
 
     with pytest.raises(Interrupted):
