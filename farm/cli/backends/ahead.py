@@ -151,9 +151,11 @@ def _local_store(settings: Settings) -> LocalStore | None:
     None elsewhere, having loaded nothing of the server side when the farm is not embedded."""
     if not embedded_here(settings):
         return None
-    from farm.server.storage import open_store
+    from farm.server.storage import open_store, scheme_of
     from farm.server.storage.local import LocalStore
 
+    if scheme_of(settings.resolved_storage_url) == "s3":  # not opened: a client each time
+        return None
     store = open_store(settings.resolved_storage_url, settings)
     return store if isinstance(store, LocalStore) else None
 

@@ -263,9 +263,14 @@ def _s3(url: str, settings: Settings | None) -> BlobStore:
 _SCHEMES = {"file": _local, "s3": _s3}
 
 
+def scheme_of(url: str) -> str:
+    """A storage URL's scheme: ``file`` for a bare path."""
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
 def open_store(url: str, settings: Settings | None = None) -> BlobStore:
     """`file:///path` or a bare path → LocalStore, `s3://bucket/prefix` → S3Store."""
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    scheme = scheme_of(url)
     if scheme not in _SCHEMES:
         raise StorageError(
             f"unknown storage URL scheme {scheme!r} in {url!r}; known: {', '.join(_SCHEMES)}"
