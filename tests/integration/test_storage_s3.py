@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from farm.server.storage import ChecksumMismatch, InvalidKey
+from farm.server.storage import ChecksumMismatch, InvalidKey, StorageError
 from farm.server.storage.s3 import PART_BYTES, S3Settings
 
 
@@ -162,3 +162,52 @@ def test_an_object_whose_writer_died_before_tagging_is_hashed_on_conflict(s3_sto
 def _open_for_writing_if_read(pipe) -> None:
     with contextlib.suppress(OSError):  # ENXIO: nobody is reading it
         os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def _sent_requests(store) -> list:
+    """The requests the store's client sends from now on (their headers, as signed)."""
+    sent: list = []
+    store.client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
+    return sent
+
+
+def _header(request, name: str) -> str:
+    value = request.headers[name]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_bodies_go_unsigned_with_a_signed_crc32_the_store_checks(s3_store, tmp_path):
+    """The farm hashes every byte it stores: the SigV4 payload hash would hash it all again."""
+    data = os.urandom(PART_BYTES + 10)
+    sent = _sent_requests(s3_store)
+    stored = s3_store.put_file("blobs/unsigned.blob", write(tmp_path / "a", data))
+    assert stored.sha256 == hashlib.sha256(data).hexdigest()
+    parts = [r for r in sent if r.method == "PUT" and "partNumber=" in r.url]
+    assert len(parts) == 2
+    for request in parts:
+        assert _header(request, "X-Amz-Content-SHA256") == "UNSIGNED-PAYLOAD"
+        assert "x-amz-checksum-crc32" in _header(request, "Authorization")  # a signed header
+
+    # A body changed on its way is refused by the store's check of that CRC32.
+    s3_store.client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: setattr(request, "body", b"jello")
+    )
+    with pytest.raises(StorageError, match="BadDigest"):
+        s3_store.put_file("blobs/changed.blob", write(tmp_path / "b", b"hello"))
+    assert not s3_store.exists("blobs/changed.blob")
+
+
+def test_without_request_checksums_the_payload_stays_signed(s3_url, tmp_path):
+    from farm.server.storage.s3 import S3Store
+    from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
+
+    store = S3Store(
+        S3Settings.from_url(
+            s3_url, endpoint_url=S3_ENDPOINT_URL, checksums="when_required", **S3_CREDENTIALS
+        )
+    )
+    sent = _sent_requests(store)
+    data = b"weights" * 100
+    store.put_file("models/signed", write(tmp_path / "a", data))
+    (put,) = [r for r in sent if r.method == "PUT"]
+    assert _header(put, "X-Amz-Content-SHA256") == hashlib.sha256(data).hexdigest()

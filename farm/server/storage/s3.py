@@ -91,6 +91,7 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
                 max_pool_connections=PARALLEL_PARTS * 2,
                 connect_timeout=5,
                 read_timeout=60,
+                s3={"payload_signing_enabled": _signs_payloads(settings)},
             ),
         )
 
@@ -258,6 +259,21 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as error:
             raise StorageError(f"S3 delete of {key} failed: {error}") from error
+
+
+def _signs_payloads(settings: S3Settings) -> bool:
+    """Whether each request's SigV4 signature covers a sha256 of its body. Over HTTPS boto3
+    leaves it out already when the request carries a checksum; over plain HTTP it hashes every
+    part once more, after the farm's own sha256 of the same bytes: 0.3 CPU-seconds per 512 MB,
+    taken from the cores a local S3 server needs (bench/README.md). The farm does not need it:
+    - each request still sends its CRC32 in a signed header, which the store checks, so a body
+      damaged on the way is refused;
+    - over plain HTTP, whoever could change a body on purpose could as well change what a read
+      returns, which no signature covers; the farm checks every model file and blob it reads
+      against the sha256 it recorded, and TLS is what keeps such a network out (SECURITY.md).
+    Without request checksums (``when_required``) the signed payload is the only check on the
+    way in, so it stays."""
+    return settings.checksums != "when_supported"
 
 
 def _status(error: ClientError) -> int:
