@@ -164,32 +164,47 @@ def _open_for_writing_if_read(pipe) -> None:
         os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
 
 
-def _sent_requests(store) -> list:
-    """The requests the store's client sends from now on (their headers, as signed)."""
+def _sent_requests(*clients) -> list:
+    """The requests these clients send from now on, as signed."""
     sent: list = []
-    store.client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
+    for client in clients:
+        client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
     return sent
 
 
 def _header(request, name: str) -> str:
-    value = request.headers[name]
+    value = request.headers.get(name, "")
     return value.decode() if isinstance(value, bytes) else value
 
 
-def test_bodies_go_unsigned_with_a_signed_crc32_the_store_checks(s3_store, tmp_path):
-    """The farm hashes every byte it stores: the SigV4 payload hash would hash it all again."""
+def _signed_headers(request) -> set[str]:
+    authorization = _header(request, "Authorization")
+    return set(authorization.split("SignedHeaders=")[1].split(",")[0].split(";"))
+
+
+def test_object_bytes_go_unsigned_beside_a_signed_crc32_the_store_checks(s3_store, tmp_path):
+    """The farm hashes every byte it stores: SigV4's payload hash would hash them all again.
+    Every other request with a body (completing a multipart upload, tagging) stays signed."""
     data = os.urandom(PART_BYTES + 10)
-    sent = _sent_requests(s3_store)
+    sent = _sent_requests(s3_store.client, s3_store.body_client)
     stored = s3_store.put_file("blobs/unsigned.blob", write(tmp_path / "a", data))
+    s3_store.put_file("models/small", write(tmp_path / "small", b"weights"))
     assert stored.sha256 == hashlib.sha256(data).hexdigest()
-    parts = [r for r in sent if r.method == "PUT" and "partNumber=" in r.url]
-    assert len(parts) == 2
-    for request in parts:
-        assert _header(request, "X-Amz-Content-SHA256") == "UNSIGNED-PAYLOAD"
-        assert "x-amz-checksum-crc32" in _header(request, "Authorization")  # a signed header
+
+    bodies = [r for r in sent if r.method in ("PUT", "POST")]
+    unsigned = [r for r in bodies if _header(r, "X-Amz-Content-SHA256") == "UNSIGNED-PAYLOAD"]
+    assert len(unsigned) == 3  # the two parts and the small object's PutObject
+    assert all("partNumber=" in r.url or r.url.endswith("/models/small") for r in unsigned)
+    for request in unsigned:
+        assert "x-amz-checksum-crc32" in _signed_headers(request)
+    for request in bodies:
+        if request not in unsigned:  # create, complete, tagging: their bodies signed
+            payload = request.body or b""
+            assert _header(request, "X-Amz-Content-SHA256") == hashlib.sha256(payload).hexdigest()
+    assert any("uploadId=" in r.url and r.method == "POST" for r in bodies if r not in unsigned)
 
     # A body changed on its way is refused by the store's check of that CRC32.
-    s3_store.client.meta.events.register(
+    s3_store.body_client.meta.events.register(
         "before-send.s3.PutObject", lambda request, **_: setattr(request, "body", b"jello")
     )
     with pytest.raises(StorageError, match="BadDigest"):
@@ -197,16 +212,16 @@ def test_bodies_go_unsigned_with_a_signed_crc32_the_store_checks(s3_store, tmp_p
     assert not s3_store.exists("blobs/changed.blob")
 
 
-def test_without_request_checksums_the_payload_stays_signed(s3_url, tmp_path):
+def test_without_request_checksums_object_bytes_stay_signed(s3_url, tmp_path):
     from farm.server.storage.s3 import S3Store
     from tests.conftest import S3_CREDENTIALS, S3_ENDPOINT_URL
 
-    store = S3Store(
-        S3Settings.from_url(
-            s3_url, endpoint_url=S3_ENDPOINT_URL, checksums="when_required", **S3_CREDENTIALS
-        )
+    settings = S3Settings.from_url(
+        s3_url, endpoint_url=S3_ENDPOINT_URL, checksums="when_required", **S3_CREDENTIALS
     )
-    sent = _sent_requests(store)
+    store = S3Store(settings)
+    assert store.body_client is store.client
+    sent = _sent_requests(store.client)
     data = b"weights" * 100
     store.put_file("models/signed", write(tmp_path / "a", data))
     (put,) = [r for r in sent if r.method == "PUT"]

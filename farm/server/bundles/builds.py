@@ -28,7 +28,13 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import ModelMissing, NotInstalled, PipelineError, SpecError
+from farm.core.errors import (
+    IntegrityMismatch,
+    ModelMissing,
+    NotInstalled,
+    PipelineError,
+    SpecError,
+)
 from farm.core.hashing import sha256_file
 from farm.core.pipelines import (
     GENAI_TOOLS,
@@ -140,7 +146,7 @@ def stage_folder(store: BlobStore, files: Mapping[str, str], dest: Path, *, full
         out = dest / path
         out.parent.mkdir(parents=True, exist_ok=True)
         if full or stored.size <= READ_IN_FULL_BYTES:
-            store.get_file(model_storage_key(sha), out)
+            _fetch_checked(store, sha, out)
         else:
             with open(out, "wb") as sparse:
                 sparse.truncate(stored.size)
@@ -359,6 +365,16 @@ def submit_folder(
         toolchain=toolchain(options.target),
     )
     return submit(session, store, settings, dispatcher, request, submitter)
+
+
+def _fetch_checked(store: BlobStore, sha: str, out: Path) -> None:
+    """Copy `models/<sha>` to `out`, hashed as it arrives; other bytes are refused."""
+    from farm.server.jobs.model_cache import download_hashed
+
+    actual = download_hashed(store, model_storage_key(sha), out)
+    if actual != sha:
+        out.unlink(missing_ok=True)
+        raise IntegrityMismatch(f"model file {sha} is corrupt in storage: its sha256 is {actual}")
 
 
 def _check_digests(folder: PipelineFolder, files: Mapping[str, str]) -> None:

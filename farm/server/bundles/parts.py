@@ -16,8 +16,8 @@ sandboxed child (`sandboxed_part`).
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER, BundleFile
-from farm.core.errors import CompileError, PipelineError
-from farm.core.hashing import sha256_file
+from farm.core.errors import CompileError, IntegrityMismatch, PipelineError
+from farm.core.hashing import CHUNK_BYTES, sha256_file
 from farm.core.pipelines import (
     WHOLE_PIPELINE,
     GenAIOptions,
@@ -301,12 +301,21 @@ def check_parts(
         for entry in files:
             if not entry.path.startswith(f"{CACHE_FOLDER}/"):
                 continue
-            with (
-                store.open_read(file_storage_key(entry.sha256)) as stream,
-                open(Path(scratch) / entry.path, "wb") as sink,
-            ):
-                shutil.copyfileobj(stream, sink)
+            _copy_checked(store, entry, Path(scratch) / entry.path)
         return check_assembled(folder, options, cache)
+
+
+def _copy_checked(store: BlobStore, entry: BundleFile, dest: Path) -> None:
+    """Copy the stored file of `entry` to `dest`, hashed on the way; other bytes are refused."""
+    digest = hashlib.sha256()
+    with store.open_read(file_storage_key(entry.sha256)) as stream, open(dest, "wb") as sink:
+        while chunk := stream.read(CHUNK_BYTES):
+            digest.update(chunk)
+            sink.write(chunk)
+    if digest.hexdigest() != entry.sha256:
+        raise IntegrityMismatch(
+            f"bundle file {entry.path} is corrupt in storage: its sha256 is {digest.hexdigest()}"
+        )
 
 
 def sandboxed_part(limits: RunLimits) -> PartCompile:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterator
@@ -78,22 +79,35 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
     def __init__(self, settings: S3Settings) -> None:
         self.settings = settings
         self.bucket = settings.bucket
-        self.client = boto3.client(
+        self.client = self._new_client(unsigned_bodies=False)
+
+    def _new_client(self, *, unsigned_bodies: bool) -> Any:
+        s3_options = {"payload_signing_enabled": False} if unsigned_bodies else {}
+        return boto3.client(
             "s3",
-            endpoint_url=settings.endpoint_url,
-            region_name=settings.region or "us-east-1",
-            aws_access_key_id=settings.access_key_id,
-            aws_secret_access_key=settings.secret_access_key,
+            endpoint_url=self.settings.endpoint_url,
+            region_name=self.settings.region or "us-east-1",
+            aws_access_key_id=self.settings.access_key_id,
+            aws_secret_access_key=self.settings.secret_access_key,
             config=Config(
-                request_checksum_calculation=settings.checksums,
-                response_checksum_validation=settings.checksums,
+                request_checksum_calculation=self.settings.checksums,
+                response_checksum_validation=self.settings.checksums,
                 retries={"max_attempts": 5, "mode": "standard"},
                 max_pool_connections=PARALLEL_PARTS * 2,
                 connect_timeout=5,
                 read_timeout=60,
-                s3={"payload_signing_enabled": _signs_payloads(settings)},
+                s3=s3_options,
             ),
         )
+
+    @functools.cached_property
+    def body_client(self) -> Any:
+        """The client that sends an object's bytes (PutObject, UploadPart): see
+        `_bodies_go_unsigned`. Every other request goes through `client`, signed as boto3
+        signs it."""
+        if _bodies_go_unsigned(self.settings):
+            return self._new_client(unsigned_bodies=True)
+        return self.client
 
     def __repr__(self) -> str:
         return f"S3Store(s3://{self.bucket}/{self.settings.prefix})"
@@ -261,19 +275,17 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
             raise StorageError(f"S3 delete of {key} failed: {error}") from error
 
 
-def _signs_payloads(settings: S3Settings) -> bool:
-    """Whether each request's SigV4 signature covers a sha256 of its body. Over HTTPS boto3
-    leaves it out already when the request carries a checksum; over plain HTTP it hashes every
-    part once more, after the farm's own sha256 of the same bytes: 0.3 CPU-seconds per 512 MB,
-    taken from the cores a local S3 server needs (bench/README.md). The farm does not need it:
-    - each request still sends its CRC32 in a signed header, which the store checks, so a body
-      damaged on the way is refused;
-    - over plain HTTP, whoever could change a body on purpose could as well change what a read
-      returns, which no signature covers; the farm checks every model file and blob it reads
-      against the sha256 it recorded, and TLS is what keeps such a network out (SECURITY.md).
-    Without request checksums (``when_required``) the signed payload is the only check on the
-    way in, so it stays."""
-    return settings.checksums != "when_supported"
+def _bodies_go_unsigned(settings: S3Settings) -> bool:
+    """Whether an object's bytes are left out of the SigV4 signature of the request that
+    sends them. Over HTTPS boto3 leaves them out already (the CRC32 goes in a trailer, under
+    TLS); over plain HTTP it hashes every part once more, after the farm's own sha256 of the
+    same bytes: 0.3 CPU-seconds per 512 MB, taken from the cores a local S3 server needs
+    (bench/README.md). Left out only where boto3 sends each body's CRC32 in a signed header,
+    which the store checks (a body damaged on the way is refused); without request checksums
+    (``when_required``) bodies stay signed. Whoever could change a body on purpose over plain
+    HTTP could as well change what a read returns, which no signature covers (SECURITY.md,
+    "Writes to S3")."""
+    return settings.checksums.lower() == "when_supported"
 
 
 def _status(error: ClientError) -> int:
@@ -332,7 +344,7 @@ class _S3Writer(ObjectWriter):
         number = len(self._parts) + len(self._in_flight) + 1
         assert self._pool is not None  # made with the upload, above
         future = self._pool.submit(
-            self.client.upload_part,
+            self.store.body_client.upload_part,
             Bucket=self.bucket,
             Key=self.object_key,
             UploadId=self._upload_id,
@@ -349,7 +361,7 @@ class _S3Writer(ObjectWriter):
     def _commit(self, sha256: str) -> StoredObject:
         try:
             if self._upload_id is None:
-                self.client.put_object(
+                self.store.body_client.put_object(
                     Bucket=self.bucket,
                     Key=self.object_key,
                     Body=bytes(self._buffer),
