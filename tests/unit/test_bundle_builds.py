@@ -223,3 +223,21 @@ def test_a_farm_without_a_broker_refuses_before_recording_anything(served_farm, 
         _submit(served_farm, InlineDispatcher(lambda job_id: None), _request(folder))
     with served_farm.session() as session:
         assert session.scalar(select(BundleBuild)) is None
+
+
+def test_a_bundle_that_cannot_be_published_fails_with_the_reason_not_left_running(
+    served_farm, stub, folder
+) -> None:
+    _submit(served_farm, stub, _request(folder))
+    part_id = _part(served_farm).id
+    with served_farm.session() as session:
+        session.execute(update(BundlePart).values(state="done", output_files={}, metrics={}))
+        session.commit()
+        # No signing key on this worker: nothing can be published, and no retry changes that.
+        assert served.publish_ready(session, served_farm.store, None, part_id) == []
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed" and build.finished_at is not None
+        assert build.error == (
+            "publishing the bundle failed: this worker has no signing key (FARM_SIGNING_KEY) "
+            "to sign bundle manifests with"
+        )

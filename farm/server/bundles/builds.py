@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 from farm.core.clock import now
 from farm.core.config import Settings
 from farm.core.errors import (
-    IntegrityMismatch,
     ModelMissing,
     NotInstalled,
     PipelineError,
@@ -146,7 +145,7 @@ def stage_folder(store: BlobStore, files: Mapping[str, str], dest: Path, *, full
         out = dest / path
         out.parent.mkdir(parents=True, exist_ok=True)
         if full or stored.size <= READ_IN_FULL_BYTES:
-            _fetch_checked(store, sha, out)
+            _fetch_checked(store, sha, out, path)
         else:
             with open(out, "wb") as sparse:
                 sparse.truncate(stored.size)
@@ -367,14 +366,16 @@ def submit_folder(
     return submit(session, store, settings, dispatcher, request, submitter)
 
 
-def _fetch_checked(store: BlobStore, sha: str, out: Path) -> None:
-    """Copy `models/<sha>` to `out`, hashed as it arrives; other bytes are refused."""
-    from farm.server.jobs.model_cache import download_hashed
+def _fetch_checked(store: BlobStore, sha: str, out: Path, path: str) -> None:
+    """Copy `models/<sha>` to `out`, hashed as it arrives. Other bytes: read again, and when
+    the stored file itself is corrupt it is deleted, so the next submit uploads it
+    (`condemn_model_file`, as a compile's fetch does)."""
+    from farm.server.jobs.model_cache import condemn_model_file, download_hashed
 
-    actual = download_hashed(store, model_storage_key(sha), out)
-    if actual != sha:
+    key = model_storage_key(sha)
+    if download_hashed(store, key, out) != sha:
         out.unlink(missing_ok=True)
-        raise IntegrityMismatch(f"model file {sha} is corrupt in storage: its sha256 is {actual}")
+        condemn_model_file(store, key, sha, f"the folder's {path}")
 
 
 def _check_digests(folder: PipelineFolder, files: Mapping[str, str]) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER, BundleFile
-from farm.core.errors import CompileError, IntegrityMismatch, PipelineError
-from farm.core.hashing import CHUNK_BYTES, sha256_file
+from farm.core.errors import CompileError, IntegrityMismatch, PipelineError, StorageError
+from farm.core.hashing import CHUNK_BYTES, sha256_file, sha256_stream
 from farm.core.pipelines import (
     WHOLE_PIPELINE,
     GenAIOptions,
@@ -306,16 +306,23 @@ def check_parts(
 
 
 def _copy_checked(store: BlobStore, entry: BundleFile, dest: Path) -> None:
-    """Copy the stored file of `entry` to `dest`, hashed on the way; other bytes are refused."""
+    """Copy the stored file of `entry` to `dest`, hashed on the way. Other bytes: read again,
+    to tell a transfer gone wrong (StorageError, retried) from a corrupt file."""
+    key = file_storage_key(entry.sha256)
     digest = hashlib.sha256()
-    with store.open_read(file_storage_key(entry.sha256)) as stream, open(dest, "wb") as sink:
+    with store.open_read(key) as stream, open(dest, "wb") as sink:
         while chunk := stream.read(CHUNK_BYTES):
             digest.update(chunk)
             sink.write(chunk)
-    if digest.hexdigest() != entry.sha256:
-        raise IntegrityMismatch(
-            f"bundle file {entry.path} is corrupt in storage: its sha256 is {digest.hexdigest()}"
-        )
+    if digest.hexdigest() == entry.sha256:
+        return
+    with store.open_read(key) as stream:
+        stored = sha256_stream(stream)
+    if stored == entry.sha256:
+        raise StorageError(f"bundle file {key} changed on its way from storage; retrying")
+    raise IntegrityMismatch(
+        f"bundle file {entry.path} is corrupt in storage: its sha256 is {stored}"
+    )
 
 
 def sandboxed_part(limits: RunLimits) -> PartCompile:

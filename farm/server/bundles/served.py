@@ -223,7 +223,16 @@ def publish_ready(
         parts = parts_of(session, build.id)
         if not parts or any(p.state != DONE for p in parts):
             continue
-        publish(store, signer, build, parts)
+        try:
+            publish(store, signer, build, parts)
+        except FarmError as error:
+            if error.kind is Kind.INFRASTRUCTURE:  # the task is retried, and publishes again
+                raise
+            at = now()
+            build.state, build.finished_at, build.updated_at = FAILED, at, at
+            build.error = f"publishing the bundle failed: {error}"[:4000]
+            session.commit()
+            continue
         at = now()
         build.state, build.error, build.finished_at, build.updated_at = DONE, None, at, at
         session.commit()

@@ -22,11 +22,12 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 from farm.core.emptied import open_emptied, pwrite_all
-from farm.core.errors import IntegrityMismatch, StorageError
+from farm.core.errors import IntegrityMismatch, ModelFileCorrupt, StorageError
 from farm.core.filecache import BlobCache, boot_id, same_file, write_atomically
-from farm.core.hashing import sha256_file
+from farm.core.hashing import sha256_file, sha256_stream
 from farm.server.storage import BlobStore
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,28 @@ def _fetch_file(folder: Path, sha256: str) -> tuple[int, Path]:
 FETCH_PART_BYTES = 16 * 2**20
 FETCH_PARALLEL = 4
 """Ranged GETs of a model fetch: boto3 download_file's settings in `S3Store.get_file`."""
+
+
+def condemn_model_file(store: BlobStore, key: str, sha256: str, what: str) -> NoReturn:
+    """A fetched model file whose bytes do not match its digest: read the stored object once
+    more, and when it really is corrupt (not a transfer gone wrong), delete it. Objects are
+    write-once, so a corrupt one would otherwise stay forever: the farm would report it present
+    and turn the genuine bytes away. Once deleted, `missing` names it and an upload stores it.
+    `what`: the file, for the error (``the model's bin``).
+
+    Note: an upload of the genuine bytes that lands between the check and the delete is
+    deleted too; the next submit finds the file missing and uploads it again.
+    """
+    with contextlib.closing(store.open_read(key)) as body:
+        actual = sha256_stream(body)
+    if actual == sha256:
+        raise StorageError(f"model file {key} changed on its way from storage; retrying")
+    store.delete(key)
+    log.warning("model file %s in storage has sha256 %s; deleted it", key, actual)
+    raise ModelFileCorrupt(
+        f"model file {key} ({what}) was corrupt in storage (its bytes have sha256 "
+        f"{actual}); it was removed: submit the model again to upload it"
+    )
 
 
 def download_hashed(store: BlobStore, storage_key: str, dest: Path) -> str:

@@ -23,7 +23,6 @@ import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -37,11 +36,10 @@ from farm.core.errors import (
     CompileTimeout,
     IntegrityMismatch,
     ModelFileCorrupt,
-    StorageError,
     WorkDiskFull,
 )
 from farm.core.filecache import BlobCache
-from farm.core.hashing import sha256_file, sha256_stream
+from farm.core.hashing import sha256_file
 from farm.core.identity import FileVersion
 from farm.core.signing import PART_BYTES, Signer
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
@@ -56,7 +54,7 @@ from farm.server.jobs.limits import (
     BLOB_BYTES_PER_MODEL_BYTE,
     blob_size_limit,
 )
-from farm.server.jobs.model_cache import link_model_file
+from farm.server.jobs.model_cache import condemn_model_file, link_model_file
 from farm.server.jobs.phases import PhaseClock
 from farm.server.jobs.reference_run import Prepared, detach, run_reference
 from farm.server.jobs.sandbox import blob_limit_message, compile_in_child
@@ -572,37 +570,16 @@ def _fetch_file(
         try:
             link_model_file(model_cache, store, key, sha, local)
         except IntegrityMismatch:
-            _condemn(store, key, sha, role)
+            condemn_model_file(store, key, sha, f"the model's {role}")
     elif stored is None:
         store.get_file(key, local)
         if sha256_file(local) != sha:
-            _condemn(store, key, sha, role)
+            condemn_model_file(store, key, sha, f"the model's {role}")
     else:
         # A link, not the store's own path: a model may name files relative to itself
         # (ONNX external data), and beside it must be its own folder, not other models.
         local.symlink_to(stored)
     return local
-
-
-def _condemn(store: BlobStore, key: str, sha256: str, role: str) -> NoReturn:
-    """A fetched model file whose bytes do not match its digest: read the stored object once
-    more, and when it really is corrupt (not a transfer gone wrong), delete it. Objects are
-    write-once, so a corrupt one would otherwise stay forever: the farm would report it present
-    and turn the genuine bytes away. Once deleted, `missing` names it and an upload stores it.
-
-    Note: an upload of the genuine bytes that lands between the check and the delete is
-    deleted too; the next submit finds the file missing and uploads it again.
-    """
-    with contextlib.closing(store.open_read(key)) as body:
-        actual = sha256_stream(body)
-    if actual == sha256:
-        raise StorageError(f"model file {key} changed on its way from storage; retrying")
-    store.delete(key)
-    log.warning("model file %s in storage has sha256 %s; deleted it", key, actual)
-    raise ModelFileCorrupt(
-        f"model file {key} (the model's {role}) was corrupt in storage (its bytes have sha256 "
-        f"{actual}); it was removed: submit the model again to upload it"
-    )
 
 
 @contextlib.contextmanager
