@@ -28,12 +28,7 @@ from sqlalchemy.orm import Session
 
 from farm.core.clock import now
 from farm.core.config import Settings
-from farm.core.errors import (
-    ModelMissing,
-    NotInstalled,
-    PipelineError,
-    SpecError,
-)
+from farm.core.errors import ModelMissing, NotInstalled, PipelineError, SpecError
 from farm.core.hashing import sha256_file
 from farm.core.pipelines import (
     GENAI_TOOLS,

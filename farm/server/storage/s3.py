@@ -277,14 +277,14 @@ class S3Store(BlobStore, Presigning, AbortsStaleUploads, ListsObjects):
 
 def _bodies_go_unsigned(settings: S3Settings) -> bool:
     """Whether an object's bytes are left out of the SigV4 signature of the request that
-    sends them. Over HTTPS boto3 leaves them out already (the CRC32 goes in a trailer, under
+    sends them. Over HTTPS boto3 leaves them out already (their CRC32 in a trailer, under
     TLS); over plain HTTP it hashes every part once more, after the farm's own sha256 of the
     same bytes: 0.3 CPU-seconds per 512 MB, taken from the cores a local S3 server needs
-    (bench/README.md). Left out only where boto3 sends each body's CRC32 in a signed header,
-    which the store checks (a body damaged on the way is refused); without request checksums
-    (``when_required``) bodies stay signed. Whoever could change a body on purpose over plain
-    HTTP could as well change what a read returns, which no signature covers (SECURITY.md,
-    "Writes to S3")."""
+    (bench/README.md). Left out only when each body goes with its CRC32 (``when_supported``;
+    over plain HTTP in a signed header), which the store checks, so a body damaged on the way
+    is refused; without request checksums (``when_required``) bodies stay signed. Whoever
+    could change a body on purpose over plain HTTP could as well change what a read returns,
+    which no signature covers (SECURITY.md, "Writes to S3")."""
     return settings.checksums.lower() == "when_supported"
 
 
