@@ -159,7 +159,9 @@ class TcpProxy:
     client is broken off mid-stream (a dropped download); later connections pass whole. With
     `down_after`, the first connection to carry that many bytes back takes the whole proxy
     down with it (as `cut()`: the service is unreachable) until `start()` is called again.
-    `sent` keeps what clients sent, to check what they asked for after the cut.
+    `sent` keeps what clients sent, to check what they asked for after the cut. While
+    `stalled` is set, nothing is carried either way: the service takes requests and never
+    answers them.
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.stalled = threading.Event()
 
     def start(self) -> None:
         listener = socket.socket()
@@ -214,6 +217,8 @@ class TcpProxy:
         carried = 0
         with contextlib.suppress(OSError):
             while data := source.recv(1 << 16):
+                while self.stalled.is_set():
+                    time.sleep(0.05)
                 if not back:
                     self.sent += data
                 sink.sendall(data)

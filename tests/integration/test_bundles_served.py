@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -280,6 +281,7 @@ def test_a_lost_part_message_and_a_dead_workers_part_are_sent_again(served, tiny
     from farm.core.pipelines import GenAIOptions, context_length
     from farm.server.bundles import builds
     from farm.server.jobs.dispatch import StubDispatcher
+    from tests.integration.faults import TcpProxy
     from tests.integration.served import wait_until
 
     pipeline = detect(tiny_llm)
@@ -290,12 +292,21 @@ def test_a_lost_part_message_and_a_dead_workers_part_are_sent_again(served, tiny
         )
     [row] = _parts(served)
     assert row.state == "queued"
-    served.start_worker("w1")
-    report = served.farm_json("reconcile", env={"FARM_RESEND_AFTER_SECONDS": "0"})
-    assert report["bundle_parts"]["resent"] == [row.id]
-    # 180 s: a claim took over 60 s once, in the first minutes of a full suite on two cores.
-    wait_until(lambda: _parts(served)[0].state == "running", 180, "w1 to claim the part")
-    served.kill_worker("w1")  # SIGKILL to the worker, its pool and the compile child
+    # w1's store stops answering once w1 is up, so the part it claims stays running until it is
+    # killed: a tiny pipeline otherwise compiles in about a second, and a full suite's load
+    # once let the claim and the result fall between two polls.
+    store = TcpProxy(int(urlsplit(served.env["FARM_S3_ENDPOINT_URL"]).port or 80))
+    store.start()
+    try:
+        served.start_worker("w1", env={"FARM_S3_ENDPOINT_URL": f"http://127.0.0.1:{store.port}"})
+        store.stalled.set()
+        report = served.farm_json("reconcile", env={"FARM_RESEND_AFTER_SECONDS": "0"})
+        assert report["bundle_parts"]["resent"] == [row.id]
+        # 180 s: a claim took over 60 s once, in the first minutes of a full suite on 2 cores.
+        wait_until(lambda: _parts(served)[0].state == "running", 180, "w1 to claim the part")
+        served.kill_worker("w1")  # SIGKILL to the worker, its pool and the compile child
+    finally:
+        store.cut()
     assert _parts(served)[0].state == "running"  # nobody told the database
     served.start_worker("w2")
     wait_until(lambda: _parts(served)[0].lease_expires_at < now(), 30, "the lease to expire")
