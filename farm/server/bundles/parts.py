@@ -16,7 +16,6 @@ sandboxed child (`sandboxed_part`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from typing import Any
 
 from farm.core.bundles import CACHE_FOLDER, BundleFile
 from farm.core.errors import CompileError, IntegrityMismatch, PipelineError, StorageError
-from farm.core.hashing import CHUNK_BYTES, sha256_file, sha256_stream
+from farm.core.hashing import sha256_file, sha256_stream
 from farm.core.pipelines import (
     WHOLE_PIPELINE,
     GenAIOptions,
@@ -44,6 +43,7 @@ from farm.core.pipelines import (
 )
 from farm.core.spec import Target
 from farm.server.bundles.storage import file_storage_key
+from farm.server.jobs.model_cache import download_hashed
 from farm.server.jobs.runner import RunLimits
 from farm.server.storage import BlobStore
 
@@ -309,12 +309,7 @@ def _copy_checked(store: BlobStore, entry: BundleFile, dest: Path) -> None:
     """Copy the stored file of `entry` to `dest`, hashed on the way. Other bytes: read again,
     to tell a transfer gone wrong (StorageError, retried) from a corrupt file."""
     key = file_storage_key(entry.sha256)
-    digest = hashlib.sha256()
-    with store.open_read(key) as stream, open(dest, "wb") as sink:
-        while chunk := stream.read(CHUNK_BYTES):
-            digest.update(chunk)
-            sink.write(chunk)
-    if digest.hexdigest() == entry.sha256:
+    if download_hashed(store, key, dest) == entry.sha256:
         return
     with store.open_read(key) as stream:
         stored = sha256_stream(stream)
