@@ -23,6 +23,7 @@ from farm.server.bundles import builds, served
 from farm.server.bundles.reconcile import reconcile_parts
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
 from farm.server.db.models import BundleBuild, BundlePart
+from farm.server.jobs.runner import RunLimits
 from farm.server.storage import model_storage_key
 from tests.unit.test_pipelines import _llm
 
@@ -241,3 +242,23 @@ def test_a_bundle_that_cannot_be_published_fails_with_the_reason_not_left_runnin
             "publishing the bundle failed: this worker has no signing key (FARM_SIGNING_KEY) "
             "to sign bundle manifests with"
         )
+
+
+def test_a_worker_without_a_signing_key_fails_the_part_before_compiling(
+    served_farm, stub, folder
+) -> None:
+    """Its listing could not be signed, nor the bundle's manifest: hours of compiling would
+    end in a bundle no edge takes."""
+    _submit(served_farm, stub, _request(folder))
+    part_id = _part(served_farm).id
+    limits = RunLimits(max_run_seconds=60)
+    state = served.run_part(
+        served_farm.sessions, served_farm.store, part_id, worker="w1", limits=limits, signer=None
+    )
+    assert state == "failed"
+    part = _part(served_farm)
+    assert part.state == "failed" and part.error == served.NO_SIGNING_KEY
+    assert part.seconds is None and part.output_files is None  # nothing compiled
+    with served_farm.session() as session:
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed" and served.NO_SIGNING_KEY in (build.error or "")

@@ -1,19 +1,36 @@
-"""The parts of a pipeline bundle (farm/server/bundles/parts.py): the plan, without GenAI."""
+"""The parts of a pipeline bundle (farm/server/bundles/parts.py) without GenAI: the plan, and
+which stored parts are believed (the compile a stand-in that writes a file)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from farm.core.hashing import sha256_file
 from farm.core.pipelines import (
     GenAIOptions,
+    PipelineFolder,
     compile_memory_bytes,
     detect,
     identity,
     toolchain_part,
 )
+from farm.core.signing import Signer
 from farm.core.spec import Target
-from farm.server.bundles.parts import WHOLE, plan_parts
+from farm.server.bundles.parts import (
+    WHOLE,
+    BuiltParts,
+    Part,
+    PartOutput,
+    build_parts,
+    part_storage_key,
+    plan_parts,
+)
+from farm.server.bundles.storage import file_storage_key
+from farm.server.storage.local import LocalStore
 from tests.unit.test_pipelines import TOOLS, _llm
 
 CPU = Target.parse("CPU")
@@ -91,3 +108,89 @@ def test_npu_and_unmeasured_layouts_compile_as_one_part(tmp_path: Path) -> None:
     assert [p.name for p in plan_parts(folder, None, CPU, cpu, toolchain_part(TOOLS, CPU))] == [
         WHOLE
     ]
+
+
+def _writing_compile(compiled: list[str]):
+    """Stands in for GenAI: one output file per part, its content naming the part key."""
+
+    def run(folder: PipelineFolder, options: GenAIOptions, part: Part, work: Path) -> PartOutput:
+        compiled.append(part.name)
+        out = work / "compiled.blob"
+        out.write_bytes(f"compiled {part.key}".encode())
+        return PartOutput({"cache/compiled.blob": out}, {"reference": {"tokens": [7, 8]}})
+
+    return run
+
+
+def _listing(store_root: Path, key: str) -> Path:
+    return store_root / part_storage_key(key)
+
+
+def test_a_stored_part_is_reused_only_when_this_farms_key_signed_its_listing(
+    tmp_path: Path,
+) -> None:
+    """The listing decides which files the signed manifest lists: a listing anyone who can
+    write the store could have altered is compiled again, never believed."""
+    store_root = tmp_path / "store"
+    store = LocalStore(store_root)
+    folder = detect(_llm(tmp_path / "llm"))
+    options = GenAIOptions.create("llm", CPU)
+    tools = toolchain_part(TOOLS, CPU)
+    farm_key = Signer(Ed25519PrivateKey.generate())
+    compiled: list[str] = []
+
+    def build(signer: Signer) -> BuiltParts:
+        return build_parts(store, folder, options, tools, signer, _writing_compile(compiled))
+
+    first = build(farm_key)
+    assert first.compiled == [WHOLE] and first.reference == {"tokens": [7, 8]}
+    reused = build(farm_key)
+    assert reused.compiled == [] and reused.files == first.files
+    assert reused.reference == first.reference
+    [part] = plan_parts(folder.root, None, CPU, options, tools)
+    listing = _listing(store_root, part.key)
+    signed = json.loads(listing.read_text())
+
+    # Someone with write access to the store lists a file of their own under the part.
+    planted = tmp_path / "planted.blob"
+    planted.write_bytes(b"not what the farm compiled")
+    planted_sha = sha256_file(planted)
+    store.put_file(file_storage_key(planted_sha), planted, expected_sha256=planted_sha)
+    forged = json.loads(json.dumps(signed))
+    forged["listing"]["files"][0]["sha256"] = planted_sha
+    listing.write_text(json.dumps(forged))
+    again = build(farm_key)
+    assert again.compiled == [WHOLE] and again.files == first.files
+    assert json.loads(listing.read_text()) == signed  # the listing replaced by a signed one
+
+    # A listing another key signed, or an older farm's unsigned one: compiled again too.
+    other_key = Signer(Ed25519PrivateKey.generate())
+    assert build(other_key).compiled == [WHOLE]
+    assert build(farm_key).compiled == [WHOLE]
+    listing.write_text(json.dumps(signed["listing"] | {"v": 1}))
+    assert build(farm_key).compiled == [WHOLE]
+    listing.write_text("{not json")
+    assert build(farm_key).compiled == [WHOLE]
+    assert build(farm_key).compiled == []
+    assert compiled == [WHOLE] * 6
+
+
+def test_a_signed_listing_of_another_part_is_not_taken_for_this_one(tmp_path: Path) -> None:
+    store_root = tmp_path / "store"
+    store = LocalStore(store_root)
+    options = GenAIOptions.create("llm", CPU)
+    tools = toolchain_part(TOOLS, CPU)
+    farm_key = Signer(Ed25519PrivateKey.generate())
+    compiled: list[str] = []
+    folders = [detect(_llm(tmp_path / "a")), detect(_llm(tmp_path / "b"))]
+    (folders[1].root / "config.json").write_text('{"max_position_embeddings": 1024}')
+    keys = [plan_parts(f.root, None, CPU, options, tools)[0].key for f in folders]
+    assert keys[0] != keys[1]
+    built = [
+        build_parts(store, f, options, tools, farm_key, _writing_compile(compiled)) for f in folders
+    ]
+    # The first part's listing, genuinely signed, copied over the second's.
+    shutil.copyfile(_listing(store_root, keys[0]), _listing(store_root, keys[1]))
+    again = build_parts(store, folders[1], options, tools, farm_key, _writing_compile(compiled))
+    assert again.compiled == [WHOLE] and again.files == built[1].files
+    assert again.files != built[0].files

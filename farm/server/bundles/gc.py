@@ -14,6 +14,8 @@ no stored part lists it (`bundle-parts/<part_key>.json`: a part gc failed loses 
 with its row), no part that is not failed produced it, and it was stored `grace_seconds` ago
 or more (the model files' grace, FARM_MODEL_GRACE_SECONDS): a part uploads its outputs before
 it is marked done, and a publish copies the folder's files before it writes the manifest.
+Manifests and listings are read here without checking their signatures: what they list is only
+kept longer, never built into a bundle (`farm.server.bundles.parts.stored_part` checks).
 """
 
 from __future__ import annotations
@@ -187,8 +189,9 @@ def _listed_files(store: BlobStore, keys: list[str]) -> set[str]:
             continue  # deleted meanwhile, or not JSON: lists nothing
         if not isinstance(document, dict):
             continue
-        files = (document.get("manifest") or document).get("files") or []
-        for entry in files:
+        # A signed manifest, a part's signed listing, or a listing of an older farm.
+        files = (document.get("manifest") or document.get("listing") or document).get("files")
+        for entry in files or []:
             if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
                 listed.add(entry["sha256"])
     return listed

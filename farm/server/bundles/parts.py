@@ -7,7 +7,9 @@ folder's ``text_encoder``, ``unet``, ``vae_decoder`` on CPU: `farm.core.pipeline
 Each part has a part key (`farm.core.pipelines.part_key`: its files, the target, the options
 and the toolchain), so the same sub-model in two pipelines compiles once: a compiled part is
 stored under ``bundle-parts/<part_key>.json``, listing its files by sha256 under
-``bundle-files/``, and reused by every bundle that has it.
+``bundle-files/``, and reused by every bundle that has it. The listing decides which files a
+bundle's manifest lists, so the farm's key signs it, and a listing the farm's own key did not
+sign is compiled again rather than believed.
 
 `plan_parts` is pure (it reads and hashes the folder; `plan_from_identity` plans from digests
 alone); `compile_part` compiles one part where its caller runs it: in this process or in the
@@ -16,16 +18,20 @@ sandboxed child (`sandboxed_part`).
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidSignature
+
 from farm.core.bundles import CACHE_FOLDER, BundleFile
 from farm.core.errors import CompileError, IntegrityMismatch, PipelineError, StorageError
-from farm.core.hashing import sha256_file, sha256_stream
+from farm.core.hashing import canonical_json, sha256_file, sha256_stream
 from farm.core.pipelines import (
     WHOLE_PIPELINE,
     GenAIOptions,
@@ -41,15 +47,20 @@ from farm.core.pipelines import (
     part_key,
     part_model,
 )
+from farm.core.signing import Signer
 from farm.core.spec import Target
 from farm.server.bundles.storage import file_storage_key
 from farm.server.jobs.model_cache import download_hashed
 from farm.server.jobs.runner import RunLimits
 from farm.server.storage import BlobStore
 
+log = logging.getLogger(__name__)
+
 WHOLE = WHOLE_PIPELINE
 """The name of the part that is the whole pipeline as GenAI compiles it."""
-PART_VERSION = 1
+PART_VERSION = 2
+"""Of a stored part's listing; 2: signed (a listing of version 1 is compiled again)."""
+_LISTING_PREFIX = b"farm-bundle-part-v2\n"
 
 
 @dataclass(frozen=True)
@@ -192,39 +203,80 @@ def part_storage_key(key: str) -> str:
     return f"bundle-parts/{key}.json"
 
 
-def stored_part(store: BlobStore, key: str) -> tuple[list[BundleFile], dict[str, Any]] | None:
-    """The files (by their path in a bundle) and metrics of compiled part `key`, or None."""
+def stored_part(
+    store: BlobStore, key: str, signer: Signer | None
+) -> tuple[list[BundleFile], dict[str, Any]] | None:
+    """The files (by their path in a bundle) and metrics of compiled part `key`, or None: not
+    stored, or its listing is not one `signer` (the farm's own key, which will sign the
+    bundle's manifest) signed for this part key. Such a listing (written by an older farm,
+    under another key, or altered in the store) is not believed: the part compiles again and
+    its listing is replaced."""
     storage_key = part_storage_key(key)
-    if not store.exists(storage_key):
+    if signer is None or not store.exists(storage_key):
         return None
-    with store.open_read(storage_key) as stream:
-        document = json.load(stream)
-    files = [BundleFile(f["path"], f["sha256"], int(f["size"])) for f in document["files"]]
-    return files, dict(document.get("metrics") or {})
+    try:
+        with store.open_read(storage_key) as stream:
+            stored = json.load(stream)
+        listing = _verified_listing(stored, key, signer)
+        files = [BundleFile(f["path"], f["sha256"], int(f["size"])) for f in listing["files"]]
+        metrics = dict(listing.get("metrics") or {})
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        log.warning("bundle part %s: its stored listing is not used (%s); compiling it", key, error)
+        return None
+    return files, metrics
 
 
-def publish_part(store: BlobStore, part: Part, output: PartOutput) -> list[BundleFile]:
+def _verified_listing(stored: Any, key: str, signer: Signer) -> dict[str, Any]:
+    """The listing of `stored` if `signer` signed exactly it and it names part `key`; else
+    ValueError."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("listing"), dict):
+        raise ValueError("not a signed listing (an older farm's?)")
+    listing = stored["listing"]
+    if listing.get("v") != PART_VERSION or listing.get("part_key") != key:
+        raise ValueError(f"a listing of version {listing.get('v')} for {listing.get('part_key')}")
+    if stored.get("signer") != signer.key_id:
+        raise ValueError(f"signed by key {stored.get('signer')}, not this farm's {signer.key_id}")
+    try:
+        signature = base64.b64decode(str(stored.get("signature")), validate=True)
+        signer.public_key.verify(signature, _LISTING_PREFIX + canonical_json(listing))
+    except (InvalidSignature, ValueError):
+        raise ValueError("its signature does not verify") from None
+    return listing
+
+
+def publish_part(
+    store: BlobStore, part: Part, output: PartOutput, signer: Signer
+) -> list[BundleFile]:
     """Store a compiled part's files under ``bundle-files/<sha256>`` (once each), then its
-    listing under ``bundle-parts/<part_key>.json``, last: a part exists only when its files do."""
+    listing, signed by `signer`, under ``bundle-parts/<part_key>.json``, last: a part exists
+    only when its files do. A listing already there that `signer` signed (another build of the
+    part finished first) is kept and its files returned; one it did not sign is replaced."""
     if not output.files:
         raise CompileError(f"the {part.name} part compiled no file: nothing to ship")
+    storage_key = part_storage_key(part.key)
+    if store.exists(storage_key):
+        found = stored_part(store, part.key, signer)
+        if found is not None:
+            return found[0]
+        store.delete(storage_key)  # objects are written once: the untrusted one goes first
     entries = []
     for path, local in sorted(output.files.items()):
         sha = sha256_file(local)
         if not store.exists(file_storage_key(sha)):
             store.put_file(file_storage_key(sha), local, expected_sha256=sha)
         entries.append(BundleFile(path, sha, local.stat().st_size))
-    document = {
+    listing = {
         "v": PART_VERSION,
         "part": part.name,
         "part_key": part.key,
         "files": [{"path": e.path, "sha256": e.sha256, "size": e.size} for e in entries],
         "metrics": output.metrics,
     }
+    signature = signer.sign_message(_LISTING_PREFIX + canonical_json(listing))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
-        json.dump(document, out)
+        json.dump({"listing": listing, "signer": signer.key_id, "signature": signature}, out)
     try:
-        store.put_file(part_storage_key(part.key), out.name)
+        store.put_file(storage_key, out.name)
     finally:
         Path(out.name).unlink(missing_ok=True)
     return entries
@@ -253,12 +305,14 @@ def build_parts(
     folder: PipelineFolder,
     options: GenAIOptions,
     toolchain: Mapping[str, str],
+    signer: Signer,
     compile: PartCompile = in_process,
     files: Mapping[str, str] | None = None,
 ) -> BuiltParts:
     """Compile each part of `folder` not yet in the store (a part another bundle compiled is
-    reused), store it, and return the outputs of all parts: the embedded farm's build.
-    `files`: the folder's `identity`, when the caller has it (not hashed again)."""
+    reused when `signer` signed its listing), store it, and return the outputs of all parts:
+    the embedded farm's build. `files`: the folder's `identity`, when the caller has it (not
+    hashed again)."""
     parts = plan_from_identity(
         folder.kind,
         identity(folder) if files is None else files,
@@ -272,11 +326,11 @@ def build_parts(
     reference: dict[str, Any] = {}
     compiled: list[str] = []
     for part in parts:
-        found = stored_part(store, part.key)
+        found = stored_part(store, part.key, signer)
         if found is None:
             with tempfile.TemporaryDirectory(prefix=f"farm-part-{part.name}-") as scratch:
                 output = compile(folder, options, part, Path(scratch))
-                found = publish_part(store, part, output), output.metrics
+                found = publish_part(store, part, output, signer), output.metrics
             compiled.append(part.name)
         entries, metrics = found
         outputs.extend(entries)

@@ -49,6 +49,8 @@ from farm.server.storage import BlobStore, model_storage_key
 
 log = logging.getLogger(__name__)
 
+NO_SIGNING_KEY = "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
+
 Sessions = sessionmaker[Session]
 
 
@@ -85,7 +87,9 @@ def run_part(
         unit = Part(part.name, part.part_key, files, part.memory_bytes)
     started = time.monotonic()
     try:
-        found = stored_part(store, unit.key)  # compiled before (the embedded farm's store)
+        if signer is None:  # its bundles could never be published: fail before compiling
+            raise KeyFileError(NO_SIGNING_KEY)
+        found = stored_part(store, unit.key, signer)  # compiled before, by this farm's key
         if found is not None:
             entries, metrics = found
         else:
@@ -110,7 +114,7 @@ def run_part(
                     log.warning("bundle part %s was taken over; its output is dropped", part_id)
                     return RUNNING
                 metrics = {"reference": done.reference}
-                entries = publish_part(store, unit, PartOutput(dict(done.outputs), metrics))
+                entries = publish_part(store, unit, PartOutput(dict(done.outputs), metrics), signer)
         outputs = {e.path: {"sha256": e.sha256, "size": e.size} for e in entries}
     except FarmError as error:
         if error.kind is not Kind.INFRASTRUCTURE:  # the part's own failure: not retried
@@ -249,9 +253,7 @@ def publish(
     if existing is not None:
         return existing
     if signer is None:
-        raise KeyFileError(
-            "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
-        )
+        raise KeyFileError(NO_SIGNING_KEY)
     entries: dict[str, BundleFile] = {}
     if build.convert_task is None:  # a Hugging Face folder ships its exported folder instead
         for path, sha in sorted(build.files.items()):

@@ -68,7 +68,9 @@ def build_bundle(
     if existing is not None:
         return existing
     # Each part compiles once: a part another bundle compiled (the same VAE) is reused.
-    built = parts.build_parts(store, folder, options, toolchain(options.target), compile, files)
+    built = parts.build_parts(
+        store, folder, options, toolchain(options.target), signer, compile, files
+    )
     # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
     # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.
     shipped = {} if folder.convert_task else files
