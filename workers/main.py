@@ -76,11 +76,13 @@ def run_worker(
         for name in compilable
     }
     converters = probe_converters()  # stages it can run: torch, optimum (docs §15)
+    bundles = genai_toolchains(compilable, converters)
+    if bundles and not signing.ok:  # it could sign neither a part's listing nor a manifest
+        log.warning("no pipeline bundles on this worker: it has no signing key")
+        bundles = {}
     queues = [
         *routing.worker_queues(toolchains, memory, settings.large_worker_bytes, converters),
-        *routing.worker_bundle_queues(
-            genai_toolchains(compilable, converters), memory, settings.large_worker_bytes
-        ),
+        *routing.worker_bundle_queues(bundles, memory, settings.large_worker_bytes),
         CONTROL_QUEUE,
     ]
     name = name or f"farm-{os.getpid()}@{socket.gethostname()}"

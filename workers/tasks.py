@@ -138,5 +138,6 @@ def bundle_part(self, part_id: int) -> None:
         worker=farm.worker or socket.gethostname(),
         limits=farm.run_limits,
         signer=farm.signer,
+        trusted=farm.trusted_keys,
     )
     log.info("bundle part %s: %s", part_id, state or "not found")

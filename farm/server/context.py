@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from farm.core.apikey import ApiSigner
     from farm.core.config import Settings
     from farm.core.filecache import BlobCache
-    from farm.core.signing import Signer
+    from farm.core.signing import Signer, TrustedKeys
     from farm.core.status import StatusSigner
     from farm.server.db.models import Job
     from farm.server.jobs.dispatch import Dispatcher
@@ -105,6 +105,14 @@ class FarmContext:
 
         settings = self.settings
         return load_signer(settings.resolved_signing_key, create=not settings.served)
+
+    @cached_property
+    def trusted_keys(self) -> TrustedKeys:
+        """FARM_TRUSTED_KEYS: besides its own, the keys whose signed bundle part listings this
+        farm reuses (§17)."""
+        from farm.core.signing import TrustedKeys
+
+        return TrustedKeys.from_files(self.settings.trusted_key_paths)
 
     @cached_property
     def api_signer(self) -> ApiSigner | None:

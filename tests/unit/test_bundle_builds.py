@@ -19,7 +19,7 @@ from farm.core.hashing import sha256_file
 from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import Target
 from farm.server import routing
-from farm.server.bundles import builds, served
+from farm.server.bundles import builds, parts, served
 from farm.server.bundles.reconcile import reconcile_parts
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
 from farm.server.db.models import BundleBuild, BundlePart
@@ -176,27 +176,38 @@ def test_a_part_is_claimed_once_and_a_dead_workers_part_is_taken_back(
     assert again["state"] == "queued" and again["parts"][0]["attempts"] == 0
 
 
+def _compiled(farm, signer: Signer, tmp_path: Path) -> tuple[int, str]:
+    """What a worker's `run_part` leaves of the one part: its file stored, its listing signed,
+    its row done with its outputs. The part's id and the compiled file's sha256."""
+    entry = tmp_path / "entry.blob"
+    entry.write_bytes(b"compiled")
+    row = _part(farm)
+    unit = parts.Part(row.name, row.part_key, {}, row.memory_bytes)
+    output = parts.PartOutput({"cache/1.blob": entry}, {"reference": {"tokens": [1, 2]}})
+    [compiled], metrics = parts.publish_part(farm.store, unit, output, signer)
+    with farm.session() as session:
+        session.execute(
+            update(BundlePart).values(
+                state="done",
+                output_files={compiled.path: {"sha256": compiled.sha256, "size": compiled.size}},
+                metrics=metrics,
+            )
+        )
+        session.commit()
+    return row.id, compiled.sha256
+
+
 def test_the_last_part_publishes_the_signed_manifest_once(
     served_farm, stub, folder, tmp_path: Path
 ) -> None:
     built = _submit(served_farm, stub, _request(folder))
     key = built["bundle_key"]
-    entry = tmp_path / "entry.blob"
-    entry.write_bytes(b"compiled")
-    sha = sha256_file(entry)
-    served_farm.store.put_file(file_storage_key(sha), entry)
     signer = Signer(Ed25519PrivateKey.generate())
     part_id = _part(served_farm).id
     with served_farm.session() as session:
         assert served.publish_ready(session, served_farm.store, signer, part_id) == []  # queued
-        session.execute(
-            update(BundlePart).values(
-                state="done",
-                output_files={"cache/1.blob": {"sha256": sha, "size": 8}},
-                metrics={"reference": {"tokens": [1, 2]}},
-            )
-        )
-        session.commit()
+    _compiled(served_farm, signer, tmp_path)
+    with served_farm.session() as session:
         assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
         assert served.publish_ready(session, served_farm.store, signer, part_id) == []
     signed = published(served_farm.store, key)
@@ -214,6 +225,106 @@ def test_the_last_part_publishes_the_signed_manifest_once(
     assert len(stub.sent) == sent
     with served_farm.store.open_read(manifest_storage_key(key)) as stream:
         assert json.load(stream) == signed
+
+
+def _plant(farm, tmp_path: Path) -> str:
+    """A file of someone else's in the store's bundle files; its sha256."""
+    planted = tmp_path / "planted.blob"
+    planted.write_bytes(b"not what the worker compiled")
+    sha = sha256_file(planted)
+    farm.store.put_file(file_storage_key(sha), planted, expected_sha256=sha)
+    return sha
+
+
+def test_the_manifest_lists_the_signed_listing_not_the_outputs_in_the_database(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    """The API can write the database and holds no signing key: a part's outputs rewritten
+    there never reach a manifest the worker signs."""
+    key = _submit(served_farm, stub, _request(folder))["bundle_key"]
+    signer = Signer(Ed25519PrivateKey.generate())
+    part_id, compiled = _compiled(served_farm, signer, tmp_path)
+    planted = _plant(served_farm, tmp_path)
+    with served_farm.session() as session:
+        session.execute(
+            update(BundlePart).values(
+                output_files={"cache/evil.blob": {"sha256": planted, "size": 28}},
+                metrics={"reference": {"tokens": [6, 6, 6]}},
+            )
+        )
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
+    signed = published(served_farm.store, key)
+    assert signed is not None
+    manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
+    shipped = {f.path: f.sha256 for f in manifest.files}
+    assert shipped["cache/1.blob"] == compiled and "cache/evil.blob" not in shipped
+    assert planted not in shipped.values() and manifest.reference == {"tokens": [1, 2]}
+
+
+def test_a_done_part_without_a_signed_listing_fails_and_the_next_submit_compiles_it(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    """A part marked done with no listing a trusted key signed (an older farm's unsigned one,
+    a row written by hand, another farm's key): its bundle is not published from it."""
+    _submit(served_farm, stub, _request(folder))
+    planted = _plant(served_farm, tmp_path)
+    part_id = _part(served_farm).id
+    with served_farm.session() as session:
+        session.execute(
+            update(BundlePart).values(
+                state="done", output_files={"cache/1.blob": {"sha256": planted, "size": 28}}
+            )
+        )
+        session.commit()
+        signer = Signer(Ed25519PrivateKey.generate())
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed" and served.UNSIGNED_LISTING in (build.error or "")
+        assert published(served_farm.store, build.bundle_key) is None
+    part = _part(served_farm)
+    assert part.state == "failed" and part.error == served.UNSIGNED_LISTING
+    sent = len(stub.sent)
+    again = _submit(served_farm, stub, _request(folder))
+    assert again["state"] == "queued" and again["parts"][0]["state"] == "queued"
+    assert len(stub.sent) == sent + 1
+
+
+def test_rows_that_are_not_those_of_their_keys_are_never_signed(
+    served_farm, stub, folder, tmp_path: Path, monkeypatch
+) -> None:
+    """Whoever can write the database could point a bundle key at another folder's files, or
+    a part at another part's key: the worker computes the keys from the rows' fields first."""
+    key = _submit(served_farm, stub, _request(folder))["bundle_key"]
+    signer = Signer(Ed25519PrivateKey.generate())
+    part_id, _ = _compiled(served_farm, signer, tmp_path)
+    planted = _plant(served_farm, tmp_path)
+    with served_farm.session() as session:
+        build = session.scalars(select(BundleBuild)).one()
+        build.files = {**build.files, "openvino_model.bin": planted}
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        session.refresh(build)
+        assert build.state == "failed" and "not those of its key" in (build.error or "")
+    assert published(served_farm.store, key) is None
+
+    # A part queued under another part's key is refused before anything compiles.
+    monkeypatch.setattr(served, "stage_folder", _never)
+    monkeypatch.setattr(served, "pipeline_in_child", _never)
+    with served_farm.session() as session:
+        session.execute(update(BundleBuild).values(files=folder, state="queued", error=None))
+        session.execute(update(BundlePart).values(state="queued", part_key="0" * 64))
+        session.commit()
+    limits = RunLimits(max_run_seconds=60)
+    state = served.run_part(
+        served_farm.sessions, served_farm.store, part_id, worker="w1", limits=limits, signer=signer
+    )
+    assert state == "failed"
+    assert "not the pipeline part of bundle" in (_part(served_farm).error or "")
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("nothing may be staged or compiled")
 
 
 def test_a_farm_without_a_broker_refuses_before_recording_anything(served_farm, folder) -> None:
@@ -245,12 +356,14 @@ def test_a_bundle_that_cannot_be_published_fails_with_the_reason_not_left_runnin
 
 
 def test_a_worker_without_a_signing_key_fails_the_part_before_compiling(
-    served_farm, stub, folder
+    served_farm, stub, folder, monkeypatch
 ) -> None:
     """Its listing could not be signed, nor the bundle's manifest: hours of compiling would
     end in a bundle no edge takes."""
     _submit(served_farm, stub, _request(folder))
     part_id = _part(served_farm).id
+    monkeypatch.setattr(served, "stage_folder", _never)
+    monkeypatch.setattr(served, "pipeline_in_child", _never)
     limits = RunLimits(max_run_seconds=60)
     state = served.run_part(
         served_farm.sessions, served_farm.store, part_id, worker="w1", limits=limits, signer=None

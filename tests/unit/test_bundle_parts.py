@@ -18,7 +18,7 @@ from farm.core.pipelines import (
     identity,
     toolchain_part,
 )
-from farm.core.signing import Signer
+from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import Target
 from farm.server.bundles.parts import (
     WHOLE,
@@ -28,6 +28,8 @@ from farm.server.bundles.parts import (
     build_parts,
     part_storage_key,
     plan_parts,
+    publish_part,
+    stored_part,
 )
 from farm.server.bundles.storage import file_storage_key
 from farm.server.storage.local import LocalStore
@@ -122,11 +124,11 @@ def _writing_compile(compiled: list[str]):
     return run
 
 
-def _listing(store_root: Path, key: str) -> Path:
-    return store_root / part_storage_key(key)
+def _key() -> Signer:
+    return Signer(Ed25519PrivateKey.generate())
 
 
-def test_a_stored_part_is_reused_only_when_this_farms_key_signed_its_listing(
+def test_a_stored_part_is_reused_only_when_a_trusted_key_signed_its_listing(
     tmp_path: Path,
 ) -> None:
     """The listing decides which files the signed manifest lists: a listing anyone who can
@@ -136,11 +138,12 @@ def test_a_stored_part_is_reused_only_when_this_farms_key_signed_its_listing(
     folder = detect(_llm(tmp_path / "llm"))
     options = GenAIOptions.create("llm", CPU)
     tools = toolchain_part(TOOLS, CPU)
-    farm_key = Signer(Ed25519PrivateKey.generate())
+    farm_key = _key()
     compiled: list[str] = []
 
-    def build(signer: Signer) -> BuiltParts:
-        return build_parts(store, folder, options, tools, signer, _writing_compile(compiled))
+    def build(signer: Signer, trusted: TrustedKeys | None = None) -> BuiltParts:
+        compile = _writing_compile(compiled)
+        return build_parts(store, folder, options, tools, signer, compile, None, trusted)
 
     first = build(farm_key)
     assert first.compiled == [WHOLE] and first.reference == {"tokens": [7, 8]}
@@ -148,30 +151,32 @@ def test_a_stored_part_is_reused_only_when_this_farms_key_signed_its_listing(
     assert reused.compiled == [] and reused.files == first.files
     assert reused.reference == first.reference
     [part] = plan_parts(folder.root, None, CPU, options, tools)
-    listing = _listing(store_root, part.key)
-    signed = json.loads(listing.read_text())
+    listing = store_root / part_storage_key(part.key, farm_key.key_id)
+    signed = listing.read_text()
 
     # Someone with write access to the store lists a file of their own under the part.
     planted = tmp_path / "planted.blob"
     planted.write_bytes(b"not what the farm compiled")
     planted_sha = sha256_file(planted)
     store.put_file(file_storage_key(planted_sha), planted, expected_sha256=planted_sha)
-    forged = json.loads(json.dumps(signed))
+    forged = json.loads(signed)
     forged["listing"]["files"][0]["sha256"] = planted_sha
-    listing.write_text(json.dumps(forged))
-    again = build(farm_key)
-    assert again.compiled == [WHOLE] and again.files == first.files
-    assert json.loads(listing.read_text()) == signed  # the listing replaced by a signed one
-
-    # A listing another key signed, or an older farm's unsigned one: compiled again too.
-    other_key = Signer(Ed25519PrivateKey.generate())
+    for altered in (
+        json.dumps(forged),
+        json.dumps(forged["listing"] | {"v": 1}),  # unsigned, as version 1 wrote them
+        "{not json",
+        "[" * 100_000,
+    ):
+        listing.write_text(altered)
+        again = build(farm_key)
+        assert again.compiled == [WHOLE] and again.files == first.files
+        assert listing.read_text() == signed  # replaced by the signed listing
+    # Another farm's key: its listing stands beside this one's, reused only if trusted.
+    other_key = _key()
     assert build(other_key).compiled == [WHOLE]
-    assert build(farm_key).compiled == [WHOLE]
-    listing.write_text(json.dumps(signed["listing"] | {"v": 1}))
-    assert build(farm_key).compiled == [WHOLE]
-    listing.write_text("{not json")
-    assert build(farm_key).compiled == [WHOLE]
-    assert build(farm_key).compiled == []
+    assert listing.read_text() == signed
+    assert build(other_key).compiled == []
+    assert build(_key(), TrustedKeys({other_key.key_id: other_key.public_key})).compiled == []
     assert compiled == [WHOLE] * 6
 
 
@@ -180,7 +185,7 @@ def test_a_signed_listing_of_another_part_is_not_taken_for_this_one(tmp_path: Pa
     store = LocalStore(store_root)
     options = GenAIOptions.create("llm", CPU)
     tools = toolchain_part(TOOLS, CPU)
-    farm_key = Signer(Ed25519PrivateKey.generate())
+    farm_key = _key()
     compiled: list[str] = []
     folders = [detect(_llm(tmp_path / "a")), detect(_llm(tmp_path / "b"))]
     (folders[1].root / "config.json").write_text('{"max_position_embeddings": 1024}')
@@ -190,7 +195,30 @@ def test_a_signed_listing_of_another_part_is_not_taken_for_this_one(tmp_path: Pa
         build_parts(store, f, options, tools, farm_key, _writing_compile(compiled)) for f in folders
     ]
     # The first part's listing, genuinely signed, copied over the second's.
-    shutil.copyfile(_listing(store_root, keys[0]), _listing(store_root, keys[1]))
+    listings = [store_root / part_storage_key(k, farm_key.key_id) for k in keys]
+    shutil.copyfile(listings[0], listings[1])
     again = build_parts(store, folders[1], options, tools, farm_key, _writing_compile(compiled))
     assert again.compiled == [WHOLE] and again.files == built[1].files
     assert again.files != built[0].files
+
+
+def test_a_part_published_twice_keeps_the_first_listing(tmp_path: Path) -> None:
+    """Two builds of one part finishing together (two embedded farms on one store): the
+    second takes the first's signed listing, files and metrics, and fails nothing."""
+    store = LocalStore(tmp_path / "store")
+    folder = detect(_llm(tmp_path / "llm"))
+    options = GenAIOptions.create("llm", CPU)
+    tools = toolchain_part(TOOLS, CPU)
+    [part] = plan_parts(folder.root, None, CPU, options, tools)
+    farm_key = _key()
+    outputs = []
+    for n in (1, 2):
+        out = tmp_path / f"compiled-{n}.blob"
+        out.write_bytes(f"compile {n}".encode())  # a compile need not be byte for byte
+        outputs.append(PartOutput({"cache/compiled.blob": out}, {"run": n}))
+    first = publish_part(store, part, outputs[0], farm_key)
+    assert publish_part(store, part, outputs[1], farm_key) == first
+    assert stored_part(store, part.key, TrustedKeys({farm_key.key_id: farm_key.public_key})) == (
+        first
+    )
+    assert first[1] == {"run": 1}

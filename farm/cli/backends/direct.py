@@ -165,7 +165,9 @@ class Direct:
         if signer is None:
             raise KeyFileError("the embedded farm has no signing key to sign the bundle with")
         compile = bundles.sandboxed(self.farm.run_limits)
-        return bundles.build_bundle(self.farm.store, signer, folder, options, compile)
+        return bundles.build_bundle(
+            self.farm.store, signer, folder, options, compile, self.farm.trusted_keys
+        )
 
     def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:
         from farm.server.bundles.storage import require

@@ -10,10 +10,11 @@ publishes from outputs about to go), then the manifest object. A submit of the k
 compiles it again, like any failed bundle.
 
 A bundle file `bundle-files/<sha256>` is deleted when no manifest left in the store lists it,
-no stored part lists it (`bundle-parts/<part_key>.json`: a part gc failed loses its listing
-with its row), no part that is not failed produced it, and it was stored `grace_seconds` ago
-or more (the model files' grace, FARM_MODEL_GRACE_SECONDS): a part uploads its outputs before
-it is marked done, and a publish copies the folder's files before it writes the manifest.
+no stored part lists it (`bundle-parts/<part_key>.<key id>.json`: a part gc failed loses its
+listings with its row), no part that is not failed produced it, and it was stored
+`grace_seconds` ago or more (the model files' grace, FARM_MODEL_GRACE_SECONDS): a part uploads
+its outputs before it is marked done, and a publish copies the folder's files before it writes
+the manifest.
 Manifests and listings are read here without checking their signatures: what they list is only
 kept longer, never built into a bundle (`farm.server.bundles.parts.stored_part` checks).
 """
@@ -31,12 +32,12 @@ from sqlalchemy.orm import Session
 from farm.core.clock import now
 from farm.core.errors import StorageError
 from farm.server.bundles.builds import DONE, FAILED, builds_of_part, parts_of
-from farm.server.bundles.parts import part_storage_key
+from farm.server.bundles.parts import PARTS, part_key_of
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key
 from farm.server.db.models import BundleBuild, BundlePart
 from farm.server.storage import BlobStore, ListsObjects
 
-MANIFESTS, FILES, PARTS = "bundles/", "bundle-files/", "bundle-parts/"
+MANIFESTS, FILES = "bundles/", "bundle-files/"
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,15 @@ def collect_bundles(
             forgotten |= gone
             if not dry_run:
                 store.delete(manifest_storage_key(bundle.bundle_key))
-                for part_key in gone.values():  # a stored part lists files about to go
-                    store.delete(part_storage_key(part_key))
+        gone_parts = set(forgotten.values())
+        listings = [key for key, _, _ in store.list_objects(PARTS)]
+        kept = [key for key in listings if part_key_of(key) not in gone_parts]
+        if not dry_run:
+            for key in set(listings) - set(kept):  # a stored part lists files about to go
+                store.delete(key)
         listed = _listed_files(
             store, [manifest_storage_key(k) for k in manifests if k not in stale]
-        ) | _listed_files(
-            store,
-            [
-                key
-                for key, _, _ in store.list_objects(PARTS)
-                if key.removeprefix(PARTS).removesuffix(".json") not in forgotten.values()
-            ],
-        )
+        ) | _listed_files(store, kept)
         live = _live_part_files(session, set(forgotten))
         file_cutoff = began - timedelta(seconds=grace_seconds)
         for key, size, stored_at in store.list_objects(FILES):
@@ -190,8 +188,9 @@ def _listed_files(store: BlobStore, keys: list[str]) -> set[str]:
         if not isinstance(document, dict):
             continue
         # A signed manifest, a part's signed listing, or a listing of an older farm.
-        files = (document.get("manifest") or document.get("listing") or document).get("files")
-        for entry in files or []:
+        body = document.get("manifest") or document.get("listing") or document
+        files = body.get("files") if isinstance(body, dict) else None
+        for entry in files if isinstance(files, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
                 listed.add(entry["sha256"])
     return listed

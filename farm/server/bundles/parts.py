@@ -6,10 +6,10 @@ lets compile apart and then loads from the cache when the pipeline opens (a Stab
 folder's ``text_encoder``, ``unet``, ``vae_decoder`` on CPU: `farm.core.pipelines.part_files`).
 Each part has a part key (`farm.core.pipelines.part_key`: its files, the target, the options
 and the toolchain), so the same sub-model in two pipelines compiles once: a compiled part is
-stored under ``bundle-parts/<part_key>.json``, listing its files by sha256 under
-``bundle-files/``, and reused by every bundle that has it. The listing decides which files a
-bundle's manifest lists, so the farm's key signs it, and a listing the farm's own key did not
-sign is compiled again rather than believed.
+stored as a listing of its files by sha256 (the files under ``bundle-files/``) and reused by
+every bundle that has it. The listing decides which files a bundle's manifest lists, so the
+farm's key signs it (``bundle-parts/<part_key>.<key id>.json``), and a listing no key the farm
+trusts signed for that part is compiled again rather than believed.
 
 `plan_parts` is pure (it reads and hashes the folder; `plan_from_identity` plans from digests
 alone); `compile_part` compiles one part where its caller runs it: in this process or in the
@@ -28,9 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from farm.core.bundles import CACHE_FOLDER, BundleFile
-from farm.core.errors import CompileError, IntegrityMismatch, PipelineError, StorageError
+from farm.core.errors import (
+    AlreadyStored,
+    CompileError,
+    IntegrityMismatch,
+    PipelineError,
+    StorageError,
+)
 from farm.core.hashing import canonical_json, sha256_file, sha256_stream
 from farm.core.pipelines import (
     WHOLE_PIPELINE,
@@ -47,7 +54,7 @@ from farm.core.pipelines import (
     part_key,
     part_model,
 )
-from farm.core.signing import Signer
+from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import Target
 from farm.server.bundles.storage import file_storage_key
 from farm.server.jobs.model_cache import download_hashed
@@ -59,7 +66,8 @@ log = logging.getLogger(__name__)
 WHOLE = WHOLE_PIPELINE
 """The name of the part that is the whole pipeline as GenAI compiles it."""
 PART_VERSION = 2
-"""Of a stored part's listing; 2: signed (a listing of version 1 is compiled again)."""
+"""Of a stored part's listing; 2: signed, one per signing key (version 1's unsigned listings
+are not read: those parts compile again)."""
 _LISTING_PREFIX = b"farm-bundle-part-v2\n"
 
 
@@ -118,6 +126,7 @@ def plan_from_identity(
     options of the key (`farm.core.pipelines.key_options`); `whole_memory_bytes` the estimate
     for the whole pipeline (`compile_memory_bytes`)."""
     parts = []
+    keys = part_keys(kind, files, target, key_options, toolchain)
     for name, paths in part_files(kind, files, target).items():
         mine = {path: files[path] for path in paths}
         if name == WHOLE:
@@ -125,10 +134,24 @@ def plan_from_identity(
         else:
             weights = sum(sizes[path] for path in paths if path.endswith(".bin"))
             memory = memory_for_weights(kind, weights, target)
-        model = part_model(mine, name)
-        key = part_key(kind, name, model, target, key_options, toolchain)
-        parts.append(Part(name=name, key=key, files=mine, memory_bytes=memory))
+        parts.append(Part(name=name, key=keys[name], files=mine, memory_bytes=memory))
     return parts
+
+
+def part_keys(
+    kind: str,
+    files: Mapping[str, str],
+    target: Target,
+    key_options: Mapping[str, Any],
+    toolchain: Mapping[str, str],
+) -> dict[str, str]:
+    """Part name -> part key of a pipeline known by its digests (what `plan_from_identity`
+    plans, without the memory estimates)."""
+    keys = {}
+    for name, paths in part_files(kind, files, target).items():
+        model = part_model({path: files[path] for path in paths}, name)
+        keys[name] = part_key(kind, name, model, target, key_options, toolchain)
+    return keys
 
 
 def plan_parts(
@@ -198,67 +221,93 @@ def compile_part(
 
 # --- parts in the store (compiled once, reused) ------------------------------------------------
 
-
-def part_storage_key(key: str) -> str:
-    return f"bundle-parts/{key}.json"
+PARTS = "bundle-parts/"
 
 
-def stored_part(
-    store: BlobStore, key: str, signer: Signer | None
-) -> tuple[list[BundleFile], dict[str, Any]] | None:
-    """The files (by their path in a bundle) and metrics of compiled part `key`, or None: not
-    stored, or its listing is not one `signer` (the farm's own key, which will sign the
-    bundle's manifest) signed for this part key. Such a listing (written by an older farm,
-    under another key, or altered in the store) is not believed: the part compiles again and
-    its listing is replaced."""
-    storage_key = part_storage_key(key)
-    if signer is None or not store.exists(storage_key):
+def part_storage_key(key: str, signer_id: str) -> str:
+    """Where the listing of part `key` signed by key `signer_id` is stored: one name per key,
+    so farms of two keys on one store never write over each other's listing."""
+    return f"{PARTS}{key}.{signer_id}.json"
+
+
+def part_key_of(storage_key: str) -> str:
+    """The part key a stored listing's name starts with (of this version's names, and of
+    version 1's ``bundle-parts/<part_key>.json``)."""
+    return storage_key.removeprefix(PARTS).split(".", 1)[0]
+
+
+def listing_keys(signer: Signer, others: TrustedKeys | None = None) -> TrustedKeys:
+    """The keys whose part listings a farm reuses: its own first, then `others`
+    (FARM_TRUSTED_KEYS: the keys its edges trust with the bundles themselves)."""
+    return TrustedKeys({signer.key_id: signer.public_key, **(others.keys if others else {})})
+
+
+StoredPart = tuple[list[BundleFile], dict[str, Any]]
+"""A compiled part's files (by their path in a bundle) and metrics, from its signed listing."""
+
+
+def stored_part(store: BlobStore, key: str, trusted: TrustedKeys) -> StoredPart | None:
+    """Compiled part `key` from a listing one of the `trusted` keys signed for it, or None.
+    A listing that does not verify (altered in the store, another part's, unsigned as version
+    1 wrote them, not JSON) is not believed: the part compiles again."""
+    for signer_id, public in trusted.keys.items():
+        found = _read_listing(store, key, signer_id, public)
+        if found is not None:
+            return found
+    return None
+
+
+def _read_listing(
+    store: BlobStore, key: str, signer_id: str, public: Ed25519PublicKey
+) -> StoredPart | None:
+    storage_key = part_storage_key(key, signer_id)
+    if not store.exists(storage_key):
         return None
     try:
         with store.open_read(storage_key) as stream:
             stored = json.load(stream)
-        listing = _verified_listing(stored, key, signer)
-        files = [BundleFile(f["path"], f["sha256"], int(f["size"])) for f in listing["files"]]
-        metrics = dict(listing.get("metrics") or {})
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
-        log.warning("bundle part %s: its stored listing is not used (%s); compiling it", key, error)
+    except FileNotFoundError:  # removed since (farm gc)
         return None
-    return files, metrics
+    except (ValueError, RecursionError) as error:
+        log.warning("bundle part %s: %s is not JSON (%s); not used", key, storage_key, error)
+        return None
+    except StorageError:
+        if not store.exists(storage_key):
+            return None
+        raise
+    try:
+        listing = _verified(stored, key, signer_id, public)
+        files = [BundleFile(f["path"], f["sha256"], int(f["size"])) for f in listing["files"]]
+        return files, dict(listing.get("metrics") or {})
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        log.warning("bundle part %s: %s is not used: %s", key, storage_key, error)
+        return None
 
 
-def _verified_listing(stored: Any, key: str, signer: Signer) -> dict[str, Any]:
-    """The listing of `stored` if `signer` signed exactly it and it names part `key`; else
-    ValueError."""
+def _verified(stored: Any, key: str, signer_id: str, public: Ed25519PublicKey) -> dict[str, Any]:
+    """The listing of `stored` if `public` signed exactly it for part `key`; else ValueError."""
     if not isinstance(stored, dict) or not isinstance(stored.get("listing"), dict):
-        raise ValueError("not a signed listing (an older farm's?)")
+        raise ValueError("not a signed listing")
     listing = stored["listing"]
     if listing.get("v") != PART_VERSION or listing.get("part_key") != key:
         raise ValueError(f"a listing of version {listing.get('v')} for {listing.get('part_key')}")
-    if stored.get("signer") != signer.key_id:
-        raise ValueError(f"signed by key {stored.get('signer')}, not this farm's {signer.key_id}")
+    if stored.get("signer") != signer_id:
+        raise ValueError(f"it names key {stored.get('signer')}, not {signer_id}")
     try:
         signature = base64.b64decode(str(stored.get("signature")), validate=True)
-        signer.public_key.verify(signature, _LISTING_PREFIX + canonical_json(listing))
+        public.verify(signature, _LISTING_PREFIX + canonical_json(listing))
     except (InvalidSignature, ValueError):
         raise ValueError("its signature does not verify") from None
     return listing
 
 
-def publish_part(
-    store: BlobStore, part: Part, output: PartOutput, signer: Signer
-) -> list[BundleFile]:
+def publish_part(store: BlobStore, part: Part, output: PartOutput, signer: Signer) -> StoredPart:
     """Store a compiled part's files under ``bundle-files/<sha256>`` (once each), then its
-    listing, signed by `signer`, under ``bundle-parts/<part_key>.json``, last: a part exists
-    only when its files do. A listing already there that `signer` signed (another build of the
-    part finished first) is kept and its files returned; one it did not sign is replaced."""
+    listing, signed by `signer`, last: a part exists only when its files do. Another build of
+    the part may have published first: its listing, signed by `signer`, is the part (its
+    files and metrics returned); one that does not verify is replaced."""
     if not output.files:
         raise CompileError(f"the {part.name} part compiled no file: nothing to ship")
-    storage_key = part_storage_key(part.key)
-    if store.exists(storage_key):
-        found = stored_part(store, part.key, signer)
-        if found is not None:
-            return found[0]
-        store.delete(storage_key)  # objects are written once: the untrusted one goes first
     entries = []
     for path, local in sorted(output.files.items()):
         sha = sha256_file(local)
@@ -272,14 +321,25 @@ def publish_part(
         "files": [{"path": e.path, "sha256": e.sha256, "size": e.size} for e in entries],
         "metrics": output.metrics,
     }
+    listing = json.loads(json.dumps(listing))  # signed as it will be read back
     signature = signer.sign_message(_LISTING_PREFIX + canonical_json(listing))
+    own = TrustedKeys({signer.key_id: signer.public_key})
+    storage_key = part_storage_key(part.key, signer.key_id)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
         json.dump({"listing": listing, "signer": signer.key_id, "signature": signature}, out)
     try:
-        store.put_file(storage_key, out.name)
+        for _ in range(2):
+            try:
+                store.put_file(storage_key, out.name)
+                return entries, dict(listing["metrics"])
+            except AlreadyStored:
+                found = stored_part(store, part.key, own)
+                if found is not None:  # published first by another build of the part
+                    return found
+                store.delete(storage_key)  # written once: an untrusted listing goes first
+        raise AlreadyStored(f"{storage_key} was written again while this part was published")
     finally:
         Path(out.name).unlink(missing_ok=True)
-    return entries
 
 
 PartCompile = Callable[[PipelineFolder, GenAIOptions, Part, Path], PartOutput]
@@ -308,11 +368,13 @@ def build_parts(
     signer: Signer,
     compile: PartCompile = in_process,
     files: Mapping[str, str] | None = None,
+    trusted: TrustedKeys | None = None,
 ) -> BuiltParts:
     """Compile each part of `folder` not yet in the store (a part another bundle compiled is
-    reused when `signer` signed its listing), store it, and return the outputs of all parts:
-    the embedded farm's build. `files`: the folder's `identity`, when the caller has it (not
-    hashed again)."""
+    reused when `signer` or one of `trusted` signed its listing), store it, and return the
+    outputs of all parts: the embedded farm's build. `files`: the folder's `identity`, when
+    the caller has it (not hashed again)."""
+    trusted = listing_keys(signer, trusted)
     parts = plan_from_identity(
         folder.kind,
         identity(folder) if files is None else files,
@@ -326,11 +388,11 @@ def build_parts(
     reference: dict[str, Any] = {}
     compiled: list[str] = []
     for part in parts:
-        found = stored_part(store, part.key, signer)
+        found = stored_part(store, part.key, trusted)
         if found is None:
             with tempfile.TemporaryDirectory(prefix=f"farm-part-{part.name}-") as scratch:
                 output = compile(folder, options, part, Path(scratch))
-                found = publish_part(store, part, output, signer), output.metrics
+                found = publish_part(store, part, output, signer)
             compiled.append(part.name)
         entries, metrics = found
         outputs.extend(entries)

@@ -16,6 +16,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from farm.core.bundles import BundleFile, BundleManifest, sign
 from farm.core.clock import now
-from farm.core.errors import FarmError, KeyFileError, Kind, PipelineError
-from farm.core.signing import Signer
+from farm.core.errors import FarmError, IntegrityMismatch, KeyFileError, Kind, PipelineError
+from farm.core.pipelines import bundle_key
+from farm.core.signing import Signer, TrustedKeys
+from farm.core.spec import Target
 from farm.server.bundles.builds import (
     DONE,
     FAILED,
@@ -38,7 +41,16 @@ from farm.server.bundles.builds import (
     stage_folder,
 )
 from farm.server.bundles.compile import PART_OPTION
-from farm.server.bundles.parts import WHOLE, Part, PartOutput, publish_part, stored_part
+from farm.server.bundles.parts import (
+    WHOLE,
+    Part,
+    PartOutput,
+    StoredPart,
+    listing_keys,
+    part_keys,
+    publish_part,
+    stored_part,
+)
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
 from farm.server.db.models import BundleBuild, BundlePart
 from farm.server.db.session import rows_changed
@@ -50,6 +62,9 @@ from farm.server.storage import BlobStore, model_storage_key
 log = logging.getLogger(__name__)
 
 NO_SIGNING_KEY = "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
+UNSIGNED_LISTING = (
+    "no listing of it is signed by a key this farm trusts; the next submit compiles it again"
+)
 
 Sessions = sessionmaker[Session]
 
@@ -62,9 +77,11 @@ def run_part(
     worker: str,
     limits: RunLimits,
     signer: Signer | None,
+    trusted: TrustedKeys | None = None,
 ) -> str | None:
     """Compile part `part_id` here if it is there to take; publish what it completes. The
-    part's state afterwards (None: no such part)."""
+    part's state afterwards (None: no such part). A part whose listing `signer` or one of
+    `trusted` signed is not compiled again."""
     with sessions() as session:
         part = session.get(BundlePart, part_id)
         if part is None:
@@ -72,7 +89,7 @@ def run_part(
         if not _claim(session, part_id, worker, limits.lease_seconds):
             session.refresh(part)
             if part.state == DONE:  # a re-send, or a bundle whose parts were all done
-                publish_ready(session, store, signer, part_id)
+                publish_ready(session, store, signer, part_id, trusted)
             return part.state
         session.refresh(part)
         build = session.get(BundleBuild, part.bundle_build_id)
@@ -82,6 +99,7 @@ def run_part(
                 other.state, other.updated_at = RUNNING, now()
         session.commit()
         files, kind, target = dict(build.files), build.pipeline, build.target
+        mismatch = _keys_mismatch(build, [part])
         options = {k: v for k, v in build.options.items() if k != "convert"}
         convert_task = build.convert_task
         unit = Part(part.name, part.part_key, files, part.memory_bytes)
@@ -89,8 +107,10 @@ def run_part(
     try:
         if signer is None:  # its bundles could never be published: fail before compiling
             raise KeyFileError(NO_SIGNING_KEY)
-        found = stored_part(store, unit.key, signer)  # compiled before, by this farm's key
-        if found is not None:
+        if mismatch:  # a listing signed under a key the part is not would poison that key
+            raise IntegrityMismatch(mismatch)
+        found = stored_part(store, unit.key, listing_keys(signer, trusted))
+        if found is not None:  # compiled before (by the embedded farm on this store)
             entries, metrics = found
         else:
             with tempfile.TemporaryDirectory(prefix="farm-part-") as scratch:
@@ -113,8 +133,8 @@ def run_part(
                 if lease.lost.is_set():
                     log.warning("bundle part %s was taken over; its output is dropped", part_id)
                     return RUNNING
-                metrics = {"reference": done.reference}
-                entries = publish_part(store, unit, PartOutput(dict(done.outputs), metrics), signer)
+                output = PartOutput(dict(done.outputs), {"reference": done.reference})
+                entries, metrics = publish_part(store, unit, output, signer)
         outputs = {e.path: {"sha256": e.sha256, "size": e.size} for e in entries}
     except FarmError as error:
         if error.kind is not Kind.INFRASTRUCTURE:  # the part's own failure: not retried
@@ -145,7 +165,7 @@ def run_part(
         )
         session.commit()
         if finished:
-            publish_ready(session, store, signer, part_id)
+            publish_ready(session, store, signer, part_id, trusted)
         return DONE if finished else RUNNING
 
 
@@ -217,9 +237,17 @@ def _release(sessions: Sessions, part_id: int, worker: str) -> None:
 
 
 def publish_ready(
-    session: Session, store: BlobStore, signer: Signer | None, part_id: int
+    session: Session,
+    store: BlobStore,
+    signer: Signer | None,
+    part_id: int,
+    trusted: TrustedKeys | None = None,
 ) -> list[str]:
-    """Publish every bundle of part `part_id` whose parts are all done; their keys."""
+    """Publish every bundle of part `part_id` whose parts are all done; their keys. What the
+    manifest lists comes from the build's row (checked against its key) and the parts'
+    listings that `signer` or one of `trusted` signed, never from the rows' outputs: the API
+    can write the database, and holds no signing key. A part without such a listing (an older
+    farm's, or one removed) fails with its bundles; the next submit compiles it again."""
     keys = []
     for build in builds_of_part(session, part_id):
         if build.state in (DONE, FAILED) and published(store, build.bundle_key) is not None:
@@ -228,7 +256,20 @@ def publish_ready(
         if not parts or any(p.state != DONE for p in parts):
             continue
         try:
-            publish(store, signer, build, parts)
+            if signer is None:
+                raise KeyFileError(NO_SIGNING_KEY)
+            mismatch = _keys_mismatch(build, parts)
+            if mismatch:
+                raise IntegrityMismatch(mismatch)
+            trust = listing_keys(signer, trusted)
+            listings = {p.id: stored_part(store, p.part_key, trust) for p in parts}
+            unsigned = [p for p in parts if listings[p.id] is None]
+            if unsigned:
+                _fail_unsigned(session, unsigned)
+                raise PipelineError(
+                    f"part {', '.join(p.name for p in unsigned)}: {UNSIGNED_LISTING}"
+                )
+            publish(store, signer, build, parts, listings)
         except FarmError as error:
             if error.kind is Kind.INFRASTRUCTURE:  # the task is retried, and publishes again
                 raise
@@ -245,15 +286,18 @@ def publish_ready(
 
 
 def publish(
-    store: BlobStore, signer: Signer | None, build: BundleBuild, parts: list[BundlePart]
+    store: BlobStore,
+    signer: Signer,
+    build: BundleBuild,
+    parts: list[BundlePart],
+    listings: Mapping[int, StoredPart | None],
 ) -> dict[str, Any]:
-    """Store the folder's files beside the parts' outputs and the signed manifest last (a
-    bundle exists only when all its files do); an existing manifest is kept."""
+    """Store the folder's files beside the parts' outputs (`listings`: each part's signed
+    listing, by part id) and the signed manifest last (a bundle exists only when all its files
+    do); an existing manifest is kept."""
     existing = published(store, build.bundle_key)
     if existing is not None:
         return existing
-    if signer is None:
-        raise KeyFileError(NO_SIGNING_KEY)
     entries: dict[str, BundleFile] = {}
     if build.convert_task is None:  # a Hugging Face folder ships its exported folder instead
         for path, sha in sorted(build.files.items()):
@@ -262,13 +306,16 @@ def publish(
     reference: dict[str, Any] = {}
     compiled: list[BundleFile] = []
     for part in parts:
-        for path, output in sorted((part.output_files or {}).items()):
-            if path in entries:
-                raise PipelineError(f"bundle part {part.name}: an output is named like {path}")
-            entries[path] = BundleFile(path, output["sha256"], int(output["size"]))
-            compiled.append(entries[path])
+        listing = listings[part.id]
+        assert listing is not None  # publish_ready fails a part without one
+        files, metrics = listing
+        for file in sorted(files, key=lambda f: f.path):
+            if file.path in entries:
+                raise PipelineError(f"bundle part {part.name}: an output is named like {file.path}")
+            entries[file.path] = file
+            compiled.append(file)
         if part.name == WHOLE:
-            reference = dict((part.metrics or {}).get("reference") or {})
+            reference = dict(metrics.get("reference") or {})
     if all(part.name != WHOLE for part in parts):  # sub-models compiled apart: assemble them
         reference = _check_assembled(store, build, compiled)
     manifest = BundleManifest(
@@ -288,6 +335,36 @@ def publish(
     finally:
         Path(out.name).unlink(missing_ok=True)
     return signed
+
+
+def _keys_mismatch(build: BundleBuild, parts: list[BundlePart]) -> str | None:
+    """Why the rows' keys are not those of the rows' own fields, or None. The worker signs
+    under these keys what the fields say: rows altered in the database must not make it sign
+    one folder's files under another's key."""
+    target = Target.parse(build.target)
+    fields = (build.pipeline, build.files, target, build.options, build.toolchain)
+    if bundle_key(*fields) != build.bundle_key:
+        return (
+            f"bundle {build.bundle_key}: its row's files, target, options or toolchain are "
+            "not those of its key"
+        )
+    expected = part_keys(*fields)
+    for part in parts:
+        if expected.get(part.name) != part.part_key:
+            return (
+                f"bundle part {part.part_key}: not the {part.name} part of bundle "
+                f"{build.bundle_key}"
+            )
+    return None
+
+
+def _fail_unsigned(session: Session, parts: list[BundlePart]) -> None:
+    """Parts done without a listing a trusted key signed: failed (committed by the caller), so
+    the next submit of a bundle that has them compiles them again."""
+    at = now()
+    for part in parts:
+        part.state, part.error, part.finished_at = FAILED, UNSIGNED_LISTING, at
+        fail_builds(session, part, UNSIGNED_LISTING)
 
 
 def _check_assembled(

@@ -20,7 +20,7 @@ from farm.core.pipelines import (
     identity,
     key_options,
 )
-from farm.core.signing import Signer
+from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import Target
 from farm.genai import toolchain
 from farm.server.bundles import parts
@@ -57,9 +57,11 @@ def build_bundle(
     folder: PipelineFolder,
     options: GenAIOptions,
     compile: Compile = in_process,
+    trusted: TrustedKeys | None = None,
 ) -> dict[str, Any]:
     """Compile `folder`, upload what the edge needs and the signed manifest; the signed
-    manifest. An existing bundle is returned as it is (compiled once)."""
+    manifest. An existing bundle is returned as it is (compiled once); so is a part whose
+    listing `signer` or one of `trusted` signed."""
     files = identity(folder)
     key = bundle_key(
         folder.kind, files, options.target, key_options(folder, options), toolchain(options.target)
@@ -69,7 +71,7 @@ def build_bundle(
         return existing
     # Each part compiles once: a part another bundle compiled (the same VAE) is reused.
     built = parts.build_parts(
-        store, folder, options, toolchain(options.target), signer, compile, files
+        store, folder, options, toolchain(options.target), signer, compile, files, trusted
     )
     # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
     # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.
