@@ -14,8 +14,9 @@ from farm import toolchain
 from farm.converters import probe as probe_converters
 from farm.core import errors
 from farm.core.config import Settings
-from farm.core.errors import ServiceUnavailable
+from farm.core.errors import KeyFileError, ServiceUnavailable
 from farm.core.logs import redact_logs
+from farm.core.signing import TrustedKeys
 from farm.core.spec import Target
 from farm.core.vocabulary import CONTROL_QUEUE
 from farm.server import routing
@@ -64,6 +65,10 @@ def run_worker(
         if settings.signing_key is not None:
             raise ServiceUnavailable(f"{signing.detail} (FARM_SIGNING_KEY)")
         log.warning("%s", signing.detail)
+    try:  # read for bundle part listings: a key missing here would fail every part's task
+        TrustedKeys.from_files(settings.trusted_key_paths)
+    except KeyFileError as error:
+        raise ServiceUnavailable(f"{error} (FARM_TRUSTED_KEYS)") from None
     probe = toolchain.probe_targets()
     compilable = [target for target, reason in probe.items() if reason is None]
     if not compilable:

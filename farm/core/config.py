@@ -199,7 +199,9 @@ class SettingsFields:
     unsigned blobs, which edges refuse."""
     trusted_keys: str | None = None
     """Edges: comma-separated paths of the public keys (PEM) whose signatures they accept;
-    several, so a farm can rotate its key. The embedded farm's own key is always trusted."""
+    several, so a farm can rotate its key. The embedded farm's own key is always trusted.
+    Workers and the embedded farm: besides their own key, the keys whose signed bundle part
+    listings they reuse (§17)."""
     allow_unsigned: bool = False
     """Edges: import blobs without checking signatures (development only)."""
     status_key: Path | None = None

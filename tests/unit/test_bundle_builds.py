@@ -262,11 +262,12 @@ def test_the_manifest_lists_the_signed_listing_not_the_outputs_in_the_database(
     assert planted not in shipped.values() and manifest.reference == {"tokens": [1, 2]}
 
 
-def test_a_done_part_without_a_signed_listing_fails_and_the_next_submit_compiles_it(
+def test_a_done_part_without_a_trusted_listing_is_compiled_again_and_its_bundle_waits(
     served_farm, stub, folder, tmp_path: Path
 ) -> None:
     """A part marked done with no listing a trusted key signed (an older farm's unsigned one,
-    a row written by hand, another farm's key): its bundle is not published from it."""
+    a row written by hand, an untrusted key's): its bundle is not published from it; the
+    part is queued again and the reconciler sends it."""
     _submit(served_farm, stub, _request(folder))
     planted = _plant(served_farm, tmp_path)
     part_id = _part(served_farm).id
@@ -277,17 +278,61 @@ def test_a_done_part_without_a_signed_listing_fails_and_the_next_submit_compiles
             )
         )
         session.commit()
-        signer = Signer(Ed25519PrivateKey.generate())
+    signer, untrusted = Signer(Ed25519PrivateKey.generate()), Signer(Ed25519PrivateKey.generate())
+    _compiled(served_farm, untrusted, tmp_path)  # a listing, but of a key this farm does not trust
+    with served_farm.session() as session:
         assert served.publish_ready(session, served_farm.store, signer, part_id) == []
         build = session.scalars(select(BundleBuild)).one()
-        assert build.state == "failed" and served.UNSIGNED_LISTING in (build.error or "")
+        assert build.state == "queued" and build.error is None  # as it was: waiting
         assert published(served_farm.store, build.bundle_key) is None
     part = _part(served_farm)
-    assert part.state == "failed" and part.error == served.UNSIGNED_LISTING
-    sent = len(stub.sent)
-    again = _submit(served_farm, stub, _request(folder))
-    assert again["state"] == "queued" and again["parts"][0]["state"] == "queued"
-    assert len(stub.sent) == sent + 1
+    assert part.state == "queued" and part.sent_at is None and part.output_files is None
+    with served_farm.session() as session:
+        report = reconcile_parts(session, served_farm.settings, stub)
+    assert report.resent == [part_id] and stub.sent[-1][0] == -part_id  # parts go negative
+    # Trusted (FARM_TRUSTED_KEYS), the same listing publishes the bundle.
+    _compiled(served_farm, untrusted, tmp_path)
+    trusted = TrustedKeys({untrusted.key_id: untrusted.public_key})
+    with served_farm.session() as session:
+        assert served.publish_ready(session, served_farm.store, signer, part_id, trusted) == [
+            build.bundle_key
+        ]
+
+
+def test_the_export_task_is_the_keys_never_the_rows_column(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    """A convert_task written into an OpenVINO folder's row would drop the folder's own files
+    from its manifest: the worker reads the task from the key's options."""
+    key = _submit(served_farm, stub, _request(folder))["bundle_key"]
+    signer = Signer(Ed25519PrivateKey.generate())
+    part_id, _ = _compiled(served_farm, signer, tmp_path)
+    with served_farm.session() as session:
+        session.execute(update(BundleBuild).values(convert_task="text-generation-with-past"))
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
+    signed = published(served_farm.store, key)
+    assert signed is not None
+    manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
+    assert {f.path for f in manifest.files} == {*folder, "cache/1.blob"}
+
+
+def test_a_worker_compiles_a_part_only_with_the_toolchain_of_its_key(
+    served_farm, stub, folder, monkeypatch
+) -> None:
+    """Queues are written by the API and the database: a part sent to a worker of other
+    releases is refused there, not signed as compiled by the releases its key names."""
+    _submit(served_farm, stub, _request(folder))  # keyed for TOOLCHAIN (AVX2), not this host
+    part_id = _part(served_farm).id
+    monkeypatch.setattr(served, "stage_folder", _never)
+    monkeypatch.setattr(served, "pipeline_in_child", _never)
+    signer = Signer(Ed25519PrivateKey.generate())
+    limits = RunLimits(max_run_seconds=60)
+    state = served.run_part(
+        served_farm.sessions, served_farm.store, part_id, worker="w1", limits=limits, signer=signer
+    )
+    assert state == "failed"
+    assert "the part was sent to the wrong queue" in (_part(served_farm).error or "")
 
 
 def test_rows_that_are_not_those_of_their_keys_are_never_signed(
@@ -375,3 +420,33 @@ def test_a_worker_without_a_signing_key_fails_the_part_before_compiling(
     with served_farm.session() as session:
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "failed" and served.NO_SIGNING_KEY in (build.error or "")
+
+
+def test_a_bundle_whose_rows_lost_a_part_is_never_signed(served_farm, stub, tmp_path: Path) -> None:
+    from farm.server.db.models import BundleBuildPart
+    from tests.unit.test_pipelines import _text2image
+
+    root = _text2image(tmp_path / "sd")
+    for sub in ("text_encoder", "unet", "vae_decoder"):  # each compiles apart on CPU
+        (root / sub / "config.json").write_text("{}")
+    files = _uploaded(served_farm, root)
+    _submit(served_farm, stub, _request(files, pipeline="text2image"))
+    signer = Signer(Ed25519PrivateKey.generate())
+    with served_farm.session() as session:
+        rows = session.scalars(select(BundlePart)).all()
+        assert sorted(r.name for r in rows) == ["text_encoder", "unet", "vae_decoder"]
+        dropped, kept = rows[0], rows[1:]
+        session.delete(session.get(BundleBuildPart, (dropped.bundle_build_id, dropped.id)))
+        session.commit()
+        for row in kept:
+            entry = tmp_path / f"{row.name}.blob"
+            entry.write_bytes(row.name.encode())
+            unit = parts.Part(row.name, row.part_key, {}, row.memory_bytes)
+            output = parts.PartOutput({f"cache/{row.name}.blob": entry}, {})
+            [compiled], _ = parts.publish_part(served_farm.store, unit, output, signer)
+            row.state, row.output_files = "done", {compiled.path: {"sha256": compiled.sha256}}
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, kept[0].id) == []
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed" and "its parts are" in (build.error or "")
+        assert published(served_farm.store, build.bundle_key) is None

@@ -222,3 +222,36 @@ def test_a_part_published_twice_keeps_the_first_listing(tmp_path: Path) -> None:
         first
     )
     assert first[1] == {"run": 1}
+
+
+def test_gc_keeps_what_signed_listings_list_and_drops_version_1s_listings(
+    served_farm, tmp_path: Path
+) -> None:
+    from farm.server.bundles.gc import collect_bundles
+    from farm.server.bundles.parts import is_signed_name, part_key_of
+
+    store = served_farm.store
+    folder = detect(_llm(tmp_path / "llm"))
+    options = GenAIOptions.create("llm", CPU)
+    tools = toolchain_part(TOOLS, CPU)
+    farm_key = _key()
+    built = build_parts(store, folder, options, tools, farm_key, _writing_compile([]))
+    [part] = plan_parts(folder.root, None, CPU, options, tools)
+    signed_name = part_storage_key(part.key, farm_key.key_id)
+    assert part_key_of(signed_name) == part.key and is_signed_name(signed_name)
+    legacy_name = f"bundle-parts/{part.key}.json"
+    assert part_key_of(legacy_name) == part.key and not is_signed_name(legacy_name)
+    legacy_file = tmp_path / "legacy.blob"
+    legacy_file.write_bytes(b"listed by an unsigned listing only")
+    legacy_sha = sha256_file(legacy_file)
+    store.put_file(file_storage_key(legacy_sha), legacy_file, expected_sha256=legacy_sha)
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({"v": 1, "files": [{"path": "x", "sha256": legacy_sha}]}))
+    store.put_file(legacy_name, legacy)
+    with served_farm.session() as session:
+        report = collect_bundles(session, store, unpulled_days=30, grace_seconds=0)
+    assert report.errors == []
+    assert [f.sha256 for f in report.files] == [legacy_sha]
+    assert not store.exists(legacy_name) and not store.exists(file_storage_key(legacy_sha))
+    assert store.exists(signed_name)
+    assert all(store.exists(file_storage_key(f.sha256)) for f in built.files)

@@ -10,11 +10,11 @@ publishes from outputs about to go), then the manifest object. A submit of the k
 compiles it again, like any failed bundle.
 
 A bundle file `bundle-files/<sha256>` is deleted when no manifest left in the store lists it,
-no stored part lists it (`bundle-parts/<part_key>.<key id>.json`: a part gc failed loses its
-listings with its row), no part that is not failed produced it, and it was stored
-`grace_seconds` ago or more (the model files' grace, FARM_MODEL_GRACE_SECONDS): a part uploads
-its outputs before it is marked done, and a publish copies the folder's files before it writes
-the manifest.
+no stored part lists it (`bundle-parts/<part_key>.<key id>.json`: the listings of a part gc
+failed go with its manifest, and version 1's unsigned `<part_key>.json` always), no part that
+is not failed produced it, and it was stored `grace_seconds` ago or more (the model files'
+grace, FARM_MODEL_GRACE_SECONDS): a part uploads its outputs before it is marked done, and a
+publish copies the folder's files before it writes the manifest.
 Manifests and listings are read here without checking their signatures: what they list is only
 kept longer, never built into a bundle (`farm.server.bundles.parts.stored_part` checks).
 """
@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from farm.core.clock import now
 from farm.core.errors import StorageError
 from farm.server.bundles.builds import DONE, FAILED, builds_of_part, parts_of
-from farm.server.bundles.parts import PARTS, part_key_of
+from farm.server.bundles.parts import PARTS, is_signed_name, part_key_of
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key
 from farm.server.db.models import BundleBuild, BundlePart
 from farm.server.storage import BlobStore, ListsObjects
@@ -102,7 +102,10 @@ def collect_bundles(
                 store.delete(manifest_storage_key(bundle.bundle_key))
         gone_parts = set(forgotten.values())
         listings = [key for key, _, _ in store.list_objects(PARTS)]
-        kept = [key for key in listings if part_key_of(key) not in gone_parts]
+        # Version 1's unsigned listings (`<part_key>.json`) are read by nothing any more.
+        kept = [
+            key for key in listings if part_key_of(key) not in gone_parts and is_signed_name(key)
+        ]
         if not dry_run:
             for key in set(listings) - set(kept):  # a stored part lists files about to go
                 store.delete(key)

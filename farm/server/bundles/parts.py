@@ -236,6 +236,11 @@ def part_key_of(storage_key: str) -> str:
     return storage_key.removeprefix(PARTS).split(".", 1)[0]
 
 
+def is_signed_name(storage_key: str) -> bool:
+    """A listing of this version's names (version 1's, ``<part_key>.json``, were unsigned)."""
+    return storage_key.removeprefix(PARTS).count(".") == 2
+
+
 def listing_keys(signer: Signer, others: TrustedKeys | None = None) -> TrustedKeys:
     """The keys whose part listings a farm reuses: its own first, then `others`
     (FARM_TRUSTED_KEYS: the keys its edges trust with the bundles themselves)."""

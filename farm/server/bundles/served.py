@@ -6,8 +6,13 @@ with this worker and a lease), so a duplicate or late message finds it taken or 
 nothing; the lease is renewed while the child compiles, and a part whose lease was taken over
 stops. The last part of a bundle to finish publishes it: its files are already under
 `bundle-files/<sha256>`, the folder's own files are copied there from `models/`, and the signed
-manifest goes to `bundles/<bundle_key>.json` last. Every worker that finds a bundle complete
-publishes the same bytes (Ed25519 signatures are deterministic), so two that race are harmless.
+manifest goes to `bundles/<bundle_key>.json` last. The first manifest written stays (objects are
+written once), so two workers that race are harmless.
+
+What a worker signs never comes from the database or the store as they are (the API can write
+both and holds no signing key): it computes the bundle and part keys from the rows' own fields
+before compiling and before publishing, compiles only with its own toolchain, and builds the
+manifest from the parts' signed listings (`farm.server.bundles.parts.stored_part`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -62,9 +68,7 @@ from farm.server.storage import BlobStore, model_storage_key
 log = logging.getLogger(__name__)
 
 NO_SIGNING_KEY = "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
-UNSIGNED_LISTING = (
-    "no listing of it is signed by a key this farm trusts; the next submit compiles it again"
-)
+UNSIGNED_LISTING = "no listing of it is signed by a key this farm trusts: it is compiled again"
 
 Sessions = sessionmaker[Session]
 
@@ -99,20 +103,21 @@ def run_part(
                 other.state, other.updated_at = RUNNING, now()
         session.commit()
         files, kind, target = dict(build.files), build.pipeline, build.target
-        mismatch = _keys_mismatch(build, [part])
+        fields = _KeyFields.of(build)
         options = {k: v for k, v in build.options.items() if k != "convert"}
-        convert_task = build.convert_task
         unit = Part(part.name, part.part_key, files, part.memory_bytes)
     started = time.monotonic()
     try:
         if signer is None:  # its bundles could never be published: fail before compiling
             raise KeyFileError(NO_SIGNING_KEY)
-        if mismatch:  # a listing signed under a key the part is not would poison that key
-            raise IntegrityMismatch(mismatch)
+        # A listing signed under a key the part is not would poison that key.
+        fields.check({unit.name: unit.key}, whole=False)
+        convert_task = fields.convert_task
         found = stored_part(store, unit.key, listing_keys(signer, trusted))
         if found is not None:  # compiled before (by the embedded farm on this store)
             entries, metrics = found
         else:
+            _check_toolchain(fields)
             with tempfile.TemporaryDirectory(prefix="farm-part-") as scratch:
                 root = Path(scratch) / "folder"
                 stage_folder(store, files, root, full=True)
@@ -246,8 +251,9 @@ def publish_ready(
     """Publish every bundle of part `part_id` whose parts are all done; their keys. What the
     manifest lists comes from the build's row (checked against its key) and the parts'
     listings that `signer` or one of `trusted` signed, never from the rows' outputs: the API
-    can write the database, and holds no signing key. A part without such a listing (an older
-    farm's, or one removed) fails with its bundles; the next submit compiles it again."""
+    can write the database, and holds no signing key. A part done without such a listing (an
+    older farm's, or one removed) is queued again, for the reconciler to send; its bundles
+    wait for it."""
     keys = []
     for build in builds_of_part(session, part_id):
         if build.state in (DONE, FAILED) and published(store, build.bundle_key) is not None:
@@ -258,18 +264,15 @@ def publish_ready(
         try:
             if signer is None:
                 raise KeyFileError(NO_SIGNING_KEY)
-            mismatch = _keys_mismatch(build, parts)
-            if mismatch:
-                raise IntegrityMismatch(mismatch)
+            fields = _KeyFields.of(build)
+            fields.check({p.name: p.part_key for p in parts}, whole=True)
             trust = listing_keys(signer, trusted)
             listings = {p.id: stored_part(store, p.part_key, trust) for p in parts}
             unsigned = [p for p in parts if listings[p.id] is None]
             if unsigned:
-                _fail_unsigned(session, unsigned)
-                raise PipelineError(
-                    f"part {', '.join(p.name for p in unsigned)}: {UNSIGNED_LISTING}"
-                )
-            publish(store, signer, build, parts, listings)
+                _compile_again(session, unsigned)
+                continue
+            publish(store, signer, build, parts, listings, fields)
         except FarmError as error:
             if error.kind is Kind.INFRASTRUCTURE:  # the task is retried, and publishes again
                 raise
@@ -291,15 +294,16 @@ def publish(
     build: BundleBuild,
     parts: list[BundlePart],
     listings: Mapping[int, StoredPart | None],
+    fields: _KeyFields,
 ) -> dict[str, Any]:
     """Store the folder's files beside the parts' outputs (`listings`: each part's signed
     listing, by part id) and the signed manifest last (a bundle exists only when all its files
-    do); an existing manifest is kept."""
+    do); an existing manifest is kept. `fields`: the build's, checked against its key."""
     existing = published(store, build.bundle_key)
     if existing is not None:
         return existing
     entries: dict[str, BundleFile] = {}
-    if build.convert_task is None:  # a Hugging Face folder ships its exported folder instead
+    if fields.convert_task is None:  # a Hugging Face folder ships its exported folder instead
         for path, sha in sorted(build.files.items()):
             stored = _copy_model_file(store, sha)
             entries[path] = BundleFile(path, sha, stored)
@@ -320,10 +324,10 @@ def publish(
         reference = _check_assembled(store, build, compiled)
     manifest = BundleManifest(
         bundle_key=build.bundle_key,
-        pipeline=build.pipeline,
-        target=build.target,
-        options={k: v for k, v in build.options.items() if k != "convert"},
-        toolchain=dict(build.toolchain),
+        pipeline=fields.kind,
+        target=fields.target.name,
+        options={k: v for k, v in fields.options.items() if k != "convert"},
+        toolchain=fields.toolchain,
         files=tuple(entries[path] for path in sorted(entries)),
         reference=reference,
     )
@@ -337,34 +341,79 @@ def publish(
     return signed
 
 
-def _keys_mismatch(build: BundleBuild, parts: list[BundlePart]) -> str | None:
-    """Why the rows' keys are not those of the rows' own fields, or None. The worker signs
-    under these keys what the fields say: rows altered in the database must not make it sign
-    one folder's files under another's key."""
-    target = Target.parse(build.target)
-    fields = (build.pipeline, build.files, target, build.options, build.toolchain)
-    if bundle_key(*fields) != build.bundle_key:
-        return (
-            f"bundle {build.bundle_key}: its row's files, target, options or toolchain are "
-            "not those of its key"
+@dataclass(frozen=True)
+class _KeyFields:
+    """What a build's row says its key is made of: what the worker compiles and signs."""
+
+    bundle_key: str
+    kind: str
+    files: dict[str, str]
+    target: Target
+    options: dict[str, Any]
+    toolchain: dict[str, str]
+
+    @classmethod
+    def of(cls, build: BundleBuild) -> _KeyFields:
+        return cls(
+            build.bundle_key,
+            build.pipeline,
+            dict(build.files),
+            Target.parse(build.target),
+            dict(build.options),
+            dict(build.toolchain),
         )
-    expected = part_keys(*fields)
-    for part in parts:
-        if expected.get(part.name) != part.part_key:
-            return (
-                f"bundle part {part.part_key}: not the {part.name} part of bundle "
-                f"{build.bundle_key}"
+
+    @property
+    def convert_task(self) -> str | None:
+        """The Hugging Face export's task, from the key's options (never the row's column)."""
+        convert = self.options.get("convert")
+        return str(convert["task"]) if isinstance(convert, dict) else None
+
+    def check(self, part_keys_by_name: Mapping[str, str], *, whole: bool) -> None:
+        """IntegrityMismatch unless the bundle key is that of these fields, and each part key
+        (all of them when `whole`) that of its part. The worker signs under these keys what
+        the fields say: rows altered in the database must not make it sign one folder's files
+        under another's key."""
+        fields = (self.kind, self.files, self.target, self.options, self.toolchain)
+        if bundle_key(*fields) != self.bundle_key:
+            raise IntegrityMismatch(
+                f"bundle {self.bundle_key}: its row's files, target, options or toolchain are "
+                "not those of its key"
             )
-    return None
+        expected = part_keys(*fields)
+        if whole and set(part_keys_by_name) != set(expected):
+            raise IntegrityMismatch(
+                f"bundle {self.bundle_key}: its parts are {sorted(part_keys_by_name)}, its key's "
+                f"{sorted(expected)}"
+            )
+        for name, key in part_keys_by_name.items():
+            if expected.get(name) != key:
+                raise IntegrityMismatch(
+                    f"bundle part {key}: not the {name} part of bundle {self.bundle_key}"
+                )
 
 
-def _fail_unsigned(session: Session, parts: list[BundlePart]) -> None:
-    """Parts done without a listing a trusted key signed: failed (committed by the caller), so
-    the next submit of a bundle that has them compiles them again."""
-    at = now()
+def _check_toolchain(fields: _KeyFields) -> None:
+    """A worker compiles a part only with the releases its key names (a part the database sent
+    to another toolchain's queue would be signed as compiled by these)."""
+    from farm.genai import toolchain  # GenAI: a worker that compiles bundles has it
+
+    own = toolchain(fields.target)
+    if own != fields.toolchain:
+        raise IntegrityMismatch(
+            f"bundle {fields.bundle_key} is keyed for the toolchain {fields.toolchain}; this "
+            f"worker compiles with {own}: the part was sent to the wrong queue"
+        )
+
+
+def _compile_again(session: Session, parts: list[BundlePart]) -> None:
+    """Parts done without a listing a trusted key signed: queued again, unsent, for the
+    reconciler to send (committed here); the bundles that have them wait."""
     for part in parts:
-        part.state, part.error, part.finished_at = FAILED, UNSIGNED_LISTING, at
-        fail_builds(session, part, UNSIGNED_LISTING)
+        log.warning("bundle part %s: %s", part.part_key, UNSIGNED_LISTING)
+        part.state, part.sent_at, part.finished_at = QUEUED, None, None
+        part.output_files = part.metrics = None
+    session.commit()
 
 
 def _check_assembled(
