@@ -450,3 +450,38 @@ def test_a_bundle_whose_rows_lost_a_part_is_never_signed(served_farm, stub, tmp_
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "failed" and "its parts are" in (build.error or "")
         assert published(served_farm.store, build.bundle_key) is None
+
+
+def test_a_part_of_another_bundle_linked_to_this_one_is_never_signed(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    """A second `pipeline` row linked in the database (another folder's, its listing genuinely
+    signed) would add its files to this bundle's manifest."""
+    from farm.server.db.models import BundleBuildPart
+
+    root = _llm(tmp_path / "other")
+    (root / "config.json").write_text('{"max_position_embeddings": 1024}')
+    other = _uploaded(served_farm, root)
+    del other["README.md"]
+    first = _submit(served_farm, stub, _request(folder))["bundle_key"]
+    _submit(served_farm, stub, _request(other))
+    signer = Signer(Ed25519PrivateKey.generate())
+    with served_farm.session() as session:
+        builds_by_key = {b.bundle_key: b for b in session.scalars(select(BundleBuild))}
+        rows = session.scalars(select(BundlePart)).all()
+        for row in rows:
+            entry = tmp_path / f"{row.id}.blob"
+            entry.write_bytes(row.part_key.encode())
+            unit = parts.Part(row.name, row.part_key, {}, row.memory_bytes)
+            output = parts.PartOutput({f"cache/{row.id}.blob": entry}, {})
+            [compiled], _ = parts.publish_part(served_farm.store, unit, output, signer)
+            row.state, row.output_files = "done", {compiled.path: {"sha256": compiled.sha256}}
+        mine = next(r for r in rows if r.bundle_build_id == builds_by_key[first].id)
+        theirs = next(r for r in rows if r is not mine)
+        session.add(BundleBuildPart(bundle_build_id=mine.bundle_build_id, part_id=theirs.id))
+        session.commit()
+        assert served.publish_ready(session, served_farm.store, signer, mine.id) == []
+        build = builds_by_key[first]
+        session.refresh(build)
+        assert build.state == "failed" and "its parts are ['pipeline', 'pipeline']" in build.error
+    assert published(served_farm.store, first) is None

@@ -111,7 +111,7 @@ def run_part(
         if signer is None:  # its bundles could never be published: fail before compiling
             raise KeyFileError(NO_SIGNING_KEY)
         # A listing signed under a key the part is not would poison that key.
-        fields.check({unit.name: unit.key}, whole=False)
+        fields.check([(unit.name, unit.key)], whole=False)
         convert_task = fields.convert_task
         found = stored_part(store, unit.key, listing_keys(signer, trusted))
         if found is not None:  # compiled before (by the embedded farm on this store)
@@ -265,7 +265,7 @@ def publish_ready(
             if signer is None:
                 raise KeyFileError(NO_SIGNING_KEY)
             fields = _KeyFields.of(build)
-            fields.check({p.name: p.part_key for p in parts}, whole=True)
+            fields.check([(p.name, p.part_key) for p in parts], whole=True)
             trust = listing_keys(signer, trusted)
             listings = {p.id: stored_part(store, p.part_key, trust) for p in parts}
             unsigned = [p for p in parts if listings[p.id] is None]
@@ -311,7 +311,7 @@ def publish(
     compiled: list[BundleFile] = []
     for part in parts:
         listing = listings[part.id]
-        assert listing is not None  # publish_ready fails a part without one
+        assert listing is not None  # publish_ready queues a part without one again
         files, metrics = listing
         for file in sorted(files, key=lambda f: f.path):
             if file.path in entries:
@@ -369,11 +369,11 @@ class _KeyFields:
         convert = self.options.get("convert")
         return str(convert["task"]) if isinstance(convert, dict) else None
 
-    def check(self, part_keys_by_name: Mapping[str, str], *, whole: bool) -> None:
+    def check(self, parts: list[tuple[str, str]], *, whole: bool) -> None:
         """IntegrityMismatch unless the bundle key is that of these fields, and each part key
-        (all of them when `whole`) that of its part. The worker signs under these keys what
-        the fields say: rows altered in the database must not make it sign one folder's files
-        under another's key."""
+        (`parts`: name, key) that of its part; when `whole`, each of the key's parts once. The
+        worker signs under these keys what the fields say: rows altered in the database must
+        not make it sign one folder's files under another's key."""
         fields = (self.kind, self.files, self.target, self.options, self.toolchain)
         if bundle_key(*fields) != self.bundle_key:
             raise IntegrityMismatch(
@@ -381,12 +381,12 @@ class _KeyFields:
                 "not those of its key"
             )
         expected = part_keys(*fields)
-        if whole and set(part_keys_by_name) != set(expected):
+        names = sorted(name for name, _ in parts)
+        if whole and names != sorted(expected):
             raise IntegrityMismatch(
-                f"bundle {self.bundle_key}: its parts are {sorted(part_keys_by_name)}, its key's "
-                f"{sorted(expected)}"
+                f"bundle {self.bundle_key}: its parts are {names}, its key's {sorted(expected)}"
             )
-        for name, key in part_keys_by_name.items():
+        for name, key in parts:
             if expected.get(name) != key:
                 raise IntegrityMismatch(
                     f"bundle part {key}: not the {name} part of bundle {self.bundle_key}"
