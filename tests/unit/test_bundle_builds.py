@@ -322,17 +322,69 @@ def test_a_worker_compiles_a_part_only_with_the_toolchain_of_its_key(
 ) -> None:
     """Queues are written by the API and the database: a part sent to a worker of other
     releases is refused there, not signed as compiled by the releases its key names."""
-    _submit(served_farm, stub, _request(folder))  # keyed for TOOLCHAIN (AVX2), not this host
+    import farm.genai
+
+    _submit(served_farm, stub, _request(folder))  # keyed for TOOLCHAIN
     part_id = _part(served_farm).id
     monkeypatch.setattr(served, "stage_folder", _never)
     monkeypatch.setattr(served, "pipeline_in_child", _never)
     signer = Signer(Ed25519PrivateKey.generate())
     limits = RunLimits(max_run_seconds=60)
-    state = served.run_part(
-        served_farm.sessions, served_farm.store, part_id, worker="w1", limits=limits, signer=signer
-    )
-    assert state == "failed"
+
+    def run() -> str | None:
+        return served.run_part(
+            served_farm.sessions,
+            served_farm.store,
+            part_id,
+            worker="w1",
+            limits=limits,
+            signer=signer,
+        )
+
+    # The key's own releases: the worker goes on to stage the folder (here: refused).
+    monkeypatch.setattr(farm.genai, "toolchain", lambda target: dict(TOOLCHAIN))
+    with pytest.raises(AssertionError, match="nothing may be staged"):
+        run()
+    assert _part(served_farm).state == "queued"  # given back
+    other = {**TOOLCHAIN, "runtime_requirements": "avx512"}
+    monkeypatch.setattr(farm.genai, "toolchain", lambda target: other)
+    assert run() == "failed"
     assert "the part was sent to the wrong queue" in (_part(served_farm).error or "")
+
+
+def test_parts_that_workers_of_two_keys_keep_queueing_again_fail_naming_the_keys(
+    served_farm, stub, folder, tmp_path: Path
+) -> None:
+    """Two workers that do not trust each other's keys would queue each other's parts again
+    for ever: past three claims the part fails, with what to set."""
+    _submit(served_farm, stub, _request(folder))
+    part_id, _ = _compiled(served_farm, Signer(Ed25519PrivateKey.generate()), tmp_path)
+    with served_farm.session() as session:
+        session.execute(update(BundlePart).values(attempts=served.UNTRUSTED_CLAIMS))
+        session.commit()
+        signer = Signer(Ed25519PrivateKey.generate())
+        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        build = session.scalars(select(BundleBuild)).one()
+        assert build.state == "failed" and served.MIXED_KEYS in (build.error or "")
+    part = _part(served_farm)
+    assert part.state == "failed" and served.MIXED_KEYS in (part.error or "")
+
+
+def test_queueing_a_part_again_leaves_a_part_another_worker_claimed_meanwhile(
+    served_farm, stub, folder
+) -> None:
+    _submit(served_farm, stub, _request(folder))
+    with served_farm.session() as session:
+        session.execute(update(BundlePart).values(state="done", output_files={}))
+        session.commit()
+    with served_farm.session() as stale:
+        part = stale.scalars(select(BundlePart)).one()  # read done
+        with served_farm.session() as other:  # then queued again and claimed by w2
+            other.execute(update(BundlePart).values(state="running", worker="w2"))
+            other.commit()
+        served._compile_again(stale, [part])
+    part = _part(served_farm)
+    assert (part.state, part.worker) == ("running", "w2")
 
 
 def test_rows_that_are_not_those_of_their_keys_are_never_signed(

@@ -69,6 +69,12 @@ log = logging.getLogger(__name__)
 
 NO_SIGNING_KEY = "this worker has no signing key (FARM_SIGNING_KEY) to sign bundle manifests with"
 UNSIGNED_LISTING = "no listing of it is signed by a key this farm trusts: it is compiled again"
+UNTRUSTED_CLAIMS = 3
+"""Claims after which a part still without a trusted listing fails (FARM_MAX_ATTEMPTS' default)."""
+MIXED_KEYS = (
+    "the workers do not trust each other's keys; give every worker the same FARM_SIGNING_KEY, "
+    "or each other's public keys in FARM_TRUSTED_KEYS"
+)
 
 Sessions = sessionmaker[Session]
 
@@ -408,11 +414,35 @@ def _check_toolchain(fields: _KeyFields) -> None:
 
 def _compile_again(session: Session, parts: list[BundlePart]) -> None:
     """Parts done without a listing a trusted key signed: queued again, unsent, for the
-    reconciler to send (committed here); the bundles that have them wait."""
+    reconciler to send, and the bundles that have them wait. A part claimed
+    `UNTRUSTED_CLAIMS` times already fails with its bundles instead: its workers do not trust
+    each other's keys. Only rows still done change (another worker may have claimed one
+    since); committed here."""
+    at = now()
     for part in parts:
+        done = (BundlePart.id == part.id, BundlePart.state == DONE)
+        if part.attempts >= UNTRUSTED_CLAIMS:
+            reason = f"{UNSIGNED_LISTING} after {part.attempts} claims: {MIXED_KEYS}"
+            values: dict[str, Any] = {"state": FAILED, "error": reason, "finished_at": at}
+            if rows_changed(session, update(BundlePart).where(*done).values(**values)):
+                session.refresh(part)
+                fail_builds(session, part, reason)
+            continue
         log.warning("bundle part %s: %s", part.part_key, UNSIGNED_LISTING)
-        part.state, part.sent_at, part.finished_at = QUEUED, None, None
-        part.output_files = part.metrics = None
+        rows_changed(
+            session,
+            update(BundlePart)
+            .where(*done)
+            .values(
+                state=QUEUED,
+                sent_at=None,
+                finished_at=None,
+                output_files=None,
+                metrics=None,
+                worker=None,
+                seconds=None,
+            ),
+        )
     session.commit()
 
 
