@@ -34,10 +34,16 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def genai_toolchains(compilable: list[str], converters: dict) -> dict[str, dict[str, str]]:
+def genai_toolchains(
+    compilable: list[str], converters: dict, can_sign: bool
+) -> dict[str, dict[str, str]]:
     """Target -> the bundle key's toolchain part on this host, for the targets it compiles
-    pipeline bundles for (§17): none without GenAI, or with a GenAI of another release."""
+    pipeline bundles for (§17): none without GenAI, with a GenAI of another release, or
+    without a signing key (it could sign neither a part's listing nor a manifest)."""
     if routing.GENAI_CONVERTER not in converters:
+        return {}
+    if not can_sign:
+        log.warning("no pipeline bundles on this worker: it has no signing key")
         return {}
     from farm import genai
 
@@ -46,6 +52,15 @@ def genai_toolchains(compilable: list[str], converters: dict) -> dict[str, dict[
     except errors.FarmError as error:
         log.warning("no pipeline bundles on this worker: %s", error)
         return {}
+
+
+def check_trusted_keys(settings: Settings) -> None:
+    """ServiceUnavailable unless FARM_TRUSTED_KEYS loads: read for bundle part listings, a key
+    missing here would fail every part's task."""
+    try:
+        TrustedKeys.from_files(settings.trusted_key_paths)
+    except KeyFileError as error:
+        raise ServiceUnavailable(f"{error} (FARM_TRUSTED_KEYS)") from None
 
 
 def run_worker(
@@ -65,10 +80,7 @@ def run_worker(
         if settings.signing_key is not None:
             raise ServiceUnavailable(f"{signing.detail} (FARM_SIGNING_KEY)")
         log.warning("%s", signing.detail)
-    try:  # read for bundle part listings: a key missing here would fail every part's task
-        TrustedKeys.from_files(settings.trusted_key_paths)
-    except KeyFileError as error:
-        raise ServiceUnavailable(f"{error} (FARM_TRUSTED_KEYS)") from None
+    check_trusted_keys(settings)
     probe = toolchain.probe_targets()
     compilable = [target for target, reason in probe.items() if reason is None]
     if not compilable:
@@ -81,10 +93,7 @@ def run_worker(
         for name in compilable
     }
     converters = probe_converters()  # stages it can run: torch, optimum (docs §15)
-    bundles = genai_toolchains(compilable, converters)
-    if bundles and not signing.ok:  # it could sign neither a part's listing nor a manifest
-        log.warning("no pipeline bundles on this worker: it has no signing key")
-        bundles = {}
+    bundles = genai_toolchains(compilable, converters, signing.ok)
     queues = [
         *routing.worker_queues(toolchains, memory, settings.large_worker_bytes, converters),
         *routing.worker_bundle_queues(bundles, memory, settings.large_worker_bytes),
