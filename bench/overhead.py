@@ -330,6 +330,7 @@ def summarize(runs: list[dict]) -> dict:
         r["baselines"]["boto3_upload_blob"] / r["phases"]["blob_upload"] for r in runs
     )
     compile_export = median(r["phases"]["compile"] + r["phases"]["export"] for r in runs)
+    export = median(r["phases"]["export"] for r in runs)
     # Each phase against the tool it wraps, per run (same bytes, same run), then medians.
     times = {
         "upload": median(r["phases"]["upload"] / r["baselines"]["boto3_upload_bin"] for r in runs),
@@ -391,7 +392,7 @@ def summarize(runs: list[dict]) -> dict:
                 "export (blob write) alone, s",
                 "direct",
                 baselines["direct_export"]["median"],
-                median(r["phases"]["export"] for r in runs),
+                export,
                 "s",
             ),
             comparison(
@@ -412,7 +413,7 @@ def summarize(runs: list[dict]) -> dict:
                 "export (blob write) alone, s",
                 "direct, run just before the job",
                 baselines["direct_before_job_export"]["median"],
-                median(r["phases"]["export"] for r in runs),
+                export,
                 "s",
             ),
             comparison(

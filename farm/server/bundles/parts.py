@@ -328,7 +328,7 @@ def publish_part(store: BlobStore, part: Part, output: PartOutput, signer: Signe
     }
     listing = json.loads(json.dumps(listing))  # signed as it will be read back
     signature = signer.sign_message(_LISTING_PREFIX + canonical_json(listing))
-    own = TrustedKeys({signer.key_id: signer.public_key})
+    own = listing_keys(signer)
     storage_key = part_storage_key(part.key, signer.key_id)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as out:
         json.dump({"listing": listing, "signer": signer.key_id, "signature": signature}, out)

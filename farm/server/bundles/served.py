@@ -108,10 +108,8 @@ def run_part(
             if other.state == QUEUED:
                 other.state, other.updated_at = RUNNING, now()
         session.commit()
-        files, kind, target = dict(build.files), build.pipeline, build.target
         fields = _KeyFields.of(build)
-        options = {k: v for k, v in build.options.items() if k != "convert"}
-        unit = Part(part.name, part.part_key, files, part.memory_bytes)
+        unit = Part(part.name, part.part_key, fields.files, part.memory_bytes)
     started = time.monotonic()
     try:
         if signer is None:  # its bundles could never be published: fail before compiling
@@ -126,13 +124,13 @@ def run_part(
             _check_toolchain(fields)
             with tempfile.TemporaryDirectory(prefix="farm-part-") as scratch:
                 root = Path(scratch) / "folder"
-                stage_folder(store, files, root, full=True)
+                stage_folder(store, fields.files, root, full=True)
                 with _lease(sessions, part_id, worker, limits.lease_seconds) as lease:
                     done = pipeline_in_child(
-                        {path: root / path for path in files},
-                        kind,
-                        target,
-                        options | {PART_OPTION: unit.name},
+                        {path: root / path for path in fields.files},
+                        fields.kind,
+                        fields.target.name,
+                        fields.compile_options | {PART_OPTION: unit.name},
                         Path(scratch) / "out",
                         unit.key,
                         timeout_seconds=limits.max_run_seconds,
@@ -332,7 +330,7 @@ def publish(
         bundle_key=build.bundle_key,
         pipeline=fields.kind,
         target=fields.target.name,
-        options={k: v for k, v in fields.options.items() if k != "convert"},
+        options=fields.compile_options,
         toolchain=fields.toolchain,
         files=tuple(entries[path] for path in sorted(entries)),
         reference=reference,
@@ -368,6 +366,11 @@ class _KeyFields:
             dict(build.options),
             dict(build.toolchain),
         )
+
+    @property
+    def compile_options(self) -> dict[str, Any]:
+        """The GenAI options: the key's, without the conversion."""
+        return {name: value for name, value in self.options.items() if name != "convert"}
 
     @property
     def convert_task(self) -> str | None:
