@@ -20,12 +20,22 @@ pytest.importorskip("diffusers")
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from farm.core.bundles import CACHE_FOLDER
+from farm.core.errors import CompileError
 from farm.core.pipelines import PipelineFolder, detect
 from farm.core.signing import Signer, TrustedKeys
 from farm.core.spec import Target
 from farm.edge.bundle import FolderSource, cache_state, open_bundle, pull, verify_bundle
 from farm.genai import REFERENCE_IMAGE, REFERENCE_PROMPT, open_pipeline, toolchain
-from farm.server.bundles.parts import Part, PartOutput, in_process, plan_parts, sandboxed_part
+from farm.server.bundles.parts import (
+    Part,
+    PartOutput,
+    build_parts,
+    check_parts,
+    in_process,
+    plan_parts,
+    sandboxed_check,
+    sandboxed_part,
+)
 from farm.server.bundles.service import build_bundle, key_of, options_for
 from farm.server.jobs.runner import RunLimits
 from farm.server.storage.local import LocalStore
@@ -148,6 +158,30 @@ def test_a_vae_shared_by_two_pipelines_compiles_once(
         TrustedKeys({}).with_key(signer.public_key),
     )
     assert verify_bundle(ready)["compiled_on_open"] == []
+
+
+def test_the_assembled_pipeline_is_opened_in_the_sandboxed_child_under_its_limits(
+    two_pipelines: tuple[Path, Path], signer: Signer, tmp_path: Path
+) -> None:
+    """The last step of a bundle of sub-model parts opens the whole pipeline on the parts' cache
+    entries: in a child with the compile's limits (never in the process that holds the signing
+    key), with the same reference run as in this process."""
+    first, _ = two_pipelines
+    pipeline = detect(first)
+    options = options_for(pipeline, CPU)
+    store = LocalStore(tmp_path / "store")
+    built = build_parts(store, pipeline, options, toolchain(CPU), signer)  # checked in process
+    in_child = sandboxed_check(RunLimits(max_run_seconds=600))
+    assert check_parts(store, pipeline, options, built.files, in_child) == built.reference
+    assert len(built.reference["image_sha256"]) == 64
+    # Under the compile's memory limit: one too small to open the pipeline in fails the check.
+    starved = sandboxed_check(RunLimits(max_run_seconds=600, memory_bytes=256 << 20))
+    with pytest.raises(CompileError, match="memory limit"):
+        check_parts(store, pipeline, options, built.files, starved)
+    # A part's entry missing: the child's pipeline compiles it on open, and says so.
+    entries = [f for f in built.files if f.path.startswith(f"{CACHE_FOLDER}/")]
+    with pytest.raises(CompileError, match="on open although each part was compiled apart"):
+        check_parts(store, pipeline, options, entries[1:], in_child)
 
 
 def test_embedded_submit_pull_verify_a_text_to_image_folder(

@@ -35,6 +35,7 @@ TOOLCHAIN = {
     "runtime_requirements": "avx2",
 }
 GIB = 1 << 30
+LIMITS = RunLimits(max_run_seconds=60)
 
 
 def _uploaded(farm, root: Path) -> dict[str, str]:
@@ -205,11 +206,17 @@ def test_the_last_part_publishes_the_signed_manifest_once(
     signer = Signer(Ed25519PrivateKey.generate())
     part_id = _part(served_farm).id
     with served_farm.session() as session:
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == []  # queued
+        assert (
+            served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == []
+        )  # queued
     _compiled(served_farm, signer, tmp_path)
     with served_farm.session() as session:
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        assert served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == [
+            key
+        ]
+        assert (
+            served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == []
+        )
     signed = published(served_farm.store, key)
     assert signed is not None
     manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
@@ -253,7 +260,9 @@ def test_the_manifest_lists_the_signed_listing_not_the_outputs_in_the_database(
             )
         )
         session.commit()
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
+        assert served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == [
+            key
+        ]
     signed = published(served_farm.store, key)
     assert signed is not None
     manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
@@ -281,7 +290,9 @@ def test_a_done_part_without_a_trusted_listing_is_compiled_again_and_its_bundle_
     signer, untrusted = Signer(Ed25519PrivateKey.generate()), Signer(Ed25519PrivateKey.generate())
     _compiled(served_farm, untrusted, tmp_path)  # a listing, but of a key this farm does not trust
     with served_farm.session() as session:
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        assert (
+            served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == []
+        )
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "queued" and build.error is None  # as it was: waiting
         assert published(served_farm.store, build.bundle_key) is None
@@ -294,9 +305,9 @@ def test_a_done_part_without_a_trusted_listing_is_compiled_again_and_its_bundle_
     _compiled(served_farm, untrusted, tmp_path)
     trusted = TrustedKeys({untrusted.key_id: untrusted.public_key})
     with served_farm.session() as session:
-        assert served.publish_ready(session, served_farm.store, signer, part_id, trusted) == [
-            build.bundle_key
-        ]
+        assert served.publish_ready(
+            session, served_farm.store, signer, part_id, trusted, limits=LIMITS
+        ) == [build.bundle_key]
 
 
 def test_the_export_task_is_the_keys_never_the_rows_column(
@@ -310,7 +321,9 @@ def test_the_export_task_is_the_keys_never_the_rows_column(
     with served_farm.session() as session:
         session.execute(update(BundleBuild).values(convert_task="text-generation-with-past"))
         session.commit()
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == [key]
+        assert served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == [
+            key
+        ]
     signed = published(served_farm.store, key)
     assert signed is not None
     manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
@@ -363,7 +376,9 @@ def test_parts_that_workers_of_two_keys_keep_queueing_again_fail_naming_the_keys
         session.execute(update(BundlePart).values(attempts=served.UNTRUSTED_CLAIMS))
         session.commit()
         signer = Signer(Ed25519PrivateKey.generate())
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        assert (
+            served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == []
+        )
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "failed" and served.MIXED_KEYS in (build.error or "")
     part = _part(served_farm)
@@ -400,7 +415,9 @@ def test_rows_that_are_not_those_of_their_keys_are_never_signed(
         build = session.scalars(select(BundleBuild)).one()
         build.files = {**build.files, "openvino_model.bin": planted}
         session.commit()
-        assert served.publish_ready(session, served_farm.store, signer, part_id) == []
+        assert (
+            served.publish_ready(session, served_farm.store, signer, part_id, limits=LIMITS) == []
+        )
         session.refresh(build)
         assert build.state == "failed" and "not those of its key" in (build.error or "")
     assert published(served_farm.store, key) is None
@@ -443,7 +460,7 @@ def test_a_bundle_that_cannot_be_published_fails_with_the_reason_not_left_runnin
         session.execute(update(BundlePart).values(state="done", output_files={}, metrics={}))
         session.commit()
         # No signing key on this worker: nothing can be published, and no retry changes that.
-        assert served.publish_ready(session, served_farm.store, None, part_id) == []
+        assert served.publish_ready(session, served_farm.store, None, part_id, limits=LIMITS) == []
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "failed" and build.finished_at is not None
         assert build.error == (
@@ -498,7 +515,10 @@ def test_a_bundle_whose_rows_lost_a_part_is_never_signed(served_farm, stub, tmp_
             [compiled], _ = parts.publish_part(served_farm.store, unit, output, signer)
             row.state, row.output_files = "done", {compiled.path: {"sha256": compiled.sha256}}
         session.commit()
-        assert served.publish_ready(session, served_farm.store, signer, kept[0].id) == []
+        assert (
+            served.publish_ready(session, served_farm.store, signer, kept[0].id, limits=LIMITS)
+            == []
+        )
         build = session.scalars(select(BundleBuild)).one()
         assert build.state == "failed" and "its parts are" in (build.error or "")
         assert published(served_farm.store, build.bundle_key) is None
@@ -532,8 +552,49 @@ def test_a_part_of_another_bundle_linked_to_this_one_is_never_signed(
         theirs = next(r for r in rows if r is not mine)
         session.add(BundleBuildPart(bundle_build_id=mine.bundle_build_id, part_id=theirs.id))
         session.commit()
-        assert served.publish_ready(session, served_farm.store, signer, mine.id) == []
+        assert (
+            served.publish_ready(session, served_farm.store, signer, mine.id, limits=LIMITS) == []
+        )
         build = builds_by_key[first]
         session.refresh(build)
         assert build.state == "failed" and "its parts are ['pipeline', 'pipeline']" in build.error
     assert published(served_farm.store, first) is None
+
+
+def test_a_worker_reuses_a_stored_part_only_when_a_key_it_trusts_signed_its_listing(
+    served_farm, stub, folder, tmp_path: Path, monkeypatch
+) -> None:
+    """A part compiled before (an embedded farm on the same store, a worker of the old key) is
+    taken as it is only when the key that signed its listing is this worker's or trusted."""
+    import farm.genai
+
+    key = _submit(served_farm, stub, _request(folder))["bundle_key"]
+    row = _part(served_farm)
+    old, signer = Signer(Ed25519PrivateKey.generate()), Signer(Ed25519PrivateKey.generate())
+    entry = tmp_path / "entry.blob"
+    entry.write_bytes(b"compiled")
+    unit = parts.Part(row.name, row.part_key, {}, row.memory_bytes)
+    parts.publish_part(served_farm.store, unit, parts.PartOutput({"cache/1.blob": entry}, {}), old)
+    monkeypatch.setattr(farm.genai, "toolchain", lambda target: dict(TOOLCHAIN))
+    monkeypatch.setattr(served, "stage_folder", _never)
+    monkeypatch.setattr(served, "pipeline_in_child", _never)
+
+    def run(trusted: TrustedKeys | None) -> str | None:
+        return served.run_part(
+            served_farm.sessions,
+            served_farm.store,
+            row.id,
+            worker="w1",
+            limits=LIMITS,
+            signer=signer,
+            trusted=trusted,
+        )
+
+    with pytest.raises(AssertionError, match="nothing may be staged"):
+        run(None)  # the old key untrusted: compiled again
+    assert _part(served_farm).state == "queued"
+    assert run(TrustedKeys({old.key_id: old.public_key})) == "done"
+    signed = published(served_farm.store, key)
+    assert signed is not None
+    manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
+    assert "cache/1.blob" in {f.path for f in manifest.files}

@@ -164,9 +164,15 @@ class Direct:
         signer = self.farm.signer
         if signer is None:
             raise KeyFileError("the embedded farm has no signing key to sign the bundle with")
-        compile = bundles.sandboxed(self.farm.run_limits)
+        limits = self.farm.run_limits
         return bundles.build_bundle(
-            self.farm.store, signer, folder, options, compile, self.farm.trusted_keys
+            self.farm.store,
+            signer,
+            folder,
+            options,
+            bundles.sandboxed(limits),
+            self.farm.trusted_keys,
+            bundles.sandboxed_check(limits),
         )
 
     def bundle_manifest(self, bundle_key: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ target runs on this host. Facts: docs/openvino.md, "GenAI pipelines".
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ EXPORT_FOLDER = "export"
 PART_OPTION = "part"
 """The options' entry that names the part the sandboxed child compiles (none: the whole
 pipeline); the child's request has no field of its own for it."""
+ASSEMBLED = "-assembled"
+"""`PART_OPTION`'s value that asks the child to open the pipeline on the cache entries it was
+given and check it compiles nothing (`check_assembled`): a name no sub-model folder has."""
 NPU_BLOB = "openvino_model.blob"
 
 
@@ -152,6 +156,18 @@ def check_assembled(folder: PipelineFolder, options: GenAIOptions, cache: Path) 
     return reference_run(folder.kind, pipeline)
 
 
+def _check_given(
+    folder: PipelineFolder, options: GenAIOptions, entries: Path, box: Path
+) -> dict[str, Any]:
+    """`check_assembled` on copies of the entries given (read-only) in a cache folder of the
+    child's own, where OpenVINO can write the entry of anything it compiles (a miss)."""
+    cache = box / "work" / CACHE_FOLDER
+    cache.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(entries.iterdir()):
+        shutil.copyfile(entry, cache / entry.name)
+    return check_assembled(folder, options, cache)
+
+
 def preload() -> None:
     """Import GenAI in the child before it switches user."""
     import openvino_genai  # noqa: F401
@@ -170,6 +186,9 @@ def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
         options = GenAIOptions(
             kind=folder.kind, target=Target.parse(str(request["target"])), values=values
         )
+        if part == ASSEMBLED:
+            entries = box / str(request["cache_entries"])
+            return {"outputs": {}, "reference": _check_given(folder, options, entries, box)}
         if part is not None and part != WHOLE_PIPELINE:
             written = compile_sub_model(folder, str(part), options, box / "work")
             return {

@@ -356,6 +356,18 @@ def in_process(folder: PipelineFolder, options: GenAIOptions, part: Part, work: 
     return compile_part(folder.root, folder.kind, part, options.target, options, work)
 
 
+AssembledCheck = Callable[[PipelineFolder, GenAIOptions, Path], dict[str, Any]]
+"""Opens a pipeline whose sub-models compiled apart on a cache folder holding exactly their
+entries, and fails if it compiles anything on open; the reference run. In this process
+(`check_in_process`) or in the sandboxed child (`sandboxed_check`)."""
+
+
+def check_in_process(folder: PipelineFolder, options: GenAIOptions, cache: Path) -> dict[str, Any]:
+    from farm.server.bundles.compile import check_assembled
+
+    return check_assembled(folder, options, cache)
+
+
 @dataclass(frozen=True)
 class BuiltParts:
     files: list[BundleFile]
@@ -374,11 +386,13 @@ def build_parts(
     compile: PartCompile = in_process,
     files: Mapping[str, str] | None = None,
     trusted: TrustedKeys | None = None,
+    check: AssembledCheck = check_in_process,
 ) -> BuiltParts:
     """Compile each part of `folder` not yet in the store (a part another bundle compiled is
     reused when `signer` or one of `trusted` signed its listing), store it, and return the
     outputs of all parts: the embedded farm's build. `files`: the folder's `identity`, when
-    the caller has it (not hashed again)."""
+    the caller has it (not hashed again). `check`: where a bundle of sub-model parts is opened
+    whole at the end (`check_parts`)."""
     trusted = listing_keys(signer, trusted)
     parts = plan_from_identity(
         folder.kind,
@@ -404,18 +418,20 @@ def build_parts(
         if part.name == WHOLE:
             reference = dict(metrics.get("reference") or {})
     if all(part.name != WHOLE for part in parts):
-        reference = check_parts(store, folder, options, outputs)
+        reference = check_parts(store, folder, options, outputs, check)
     return BuiltParts(files=outputs, reference=reference, compiled=compiled)
 
 
 def check_parts(
-    store: BlobStore, folder: PipelineFolder, options: GenAIOptions, files: list[BundleFile]
+    store: BlobStore,
+    folder: PipelineFolder,
+    options: GenAIOptions,
+    files: list[BundleFile],
+    check: AssembledCheck,
 ) -> dict[str, Any]:
     """The last step of a bundle of sub-model parts: open the pipeline on a cache of exactly
-    the parts' entries (from the store) and check it compiles nothing; the reference run.
-    Note: runs in this process (it compiles nothing when the parts are right)."""
-    from farm.server.bundles.compile import check_assembled
-
+    the parts' entries (from the store, checked) with `check`, which fails if it compiles
+    anything; the reference run."""
     with tempfile.TemporaryDirectory(prefix="farm-parts-check-") as scratch:
         cache = Path(scratch) / CACHE_FOLDER
         cache.mkdir()
@@ -423,7 +439,7 @@ def check_parts(
             if not entry.path.startswith(f"{CACHE_FOLDER}/"):
                 continue
             _copy_checked(store, entry, Path(scratch) / entry.path)
-        return check_assembled(folder, options, cache)
+        return check(folder, options, cache)
 
 
 def _copy_checked(store: BlobStore, entry: BundleFile, dest: Path) -> None:
@@ -439,6 +455,31 @@ def _copy_checked(store: BlobStore, entry: BundleFile, dest: Path) -> None:
     raise IntegrityMismatch(
         f"bundle file {entry.path} is corrupt in storage: its sha256 is {stored}"
     )
+
+
+def sandboxed_check(limits: RunLimits) -> AssembledCheck:
+    """Open the assembled pipeline in a child with the compile's limits, as its parts compiled:
+    GenAI reads the folder and the parts' cache entries there, never in the process that holds
+    the signing key (`farm.server.bundles.compile.child_main`, part `ASSEMBLED`)."""
+    from farm.server.bundles.compile import ASSEMBLED, PART_OPTION
+    from farm.server.jobs.sandbox import pipeline_in_child
+
+    def run(folder: PipelineFolder, options: GenAIOptions, cache: Path) -> dict[str, Any]:
+        done = pipeline_in_child(
+            folder.files,
+            folder.kind,
+            options.target.name,
+            options.canonical() | {PART_OPTION: ASSEMBLED},
+            cache.parent / "out",
+            "assembled",
+            timeout_seconds=limits.max_run_seconds,
+            memory_bytes=limits.memory_bytes,
+            compile_user=limits.compile_user,
+            cache_entries={entry.name: entry for entry in sorted(cache.iterdir())},
+        )
+        return done.reference
+
+    return run
 
 
 def sandboxed_part(limits: RunLimits) -> PartCompile:

@@ -49,12 +49,14 @@ from farm.server.bundles.builds import (
 from farm.server.bundles.compile import PART_OPTION
 from farm.server.bundles.parts import (
     WHOLE,
+    AssembledCheck,
     Part,
     PartOutput,
     StoredPart,
     listing_keys,
     part_keys,
     publish_part,
+    sandboxed_check,
     stored_part,
 )
 from farm.server.bundles.storage import file_storage_key, manifest_storage_key, published
@@ -99,7 +101,7 @@ def run_part(
         if not _claim(session, part_id, worker, limits.lease_seconds):
             session.refresh(part)
             if part.state == DONE:  # a re-send, or a bundle whose parts were all done
-                publish_ready(session, store, signer, part_id, trusted)
+                publish_ready(session, store, signer, part_id, trusted, limits=limits)
             return part.state
         session.refresh(part)
         build = session.get(BundleBuild, part.bundle_build_id)
@@ -174,7 +176,7 @@ def run_part(
         )
         session.commit()
         if finished:
-            publish_ready(session, store, signer, part_id, trusted)
+            publish_ready(session, store, signer, part_id, trusted, limits=limits)
         return DONE if finished else RUNNING
 
 
@@ -251,13 +253,15 @@ def publish_ready(
     signer: Signer | None,
     part_id: int,
     trusted: TrustedKeys | None = None,
+    *,
+    limits: RunLimits,
 ) -> list[str]:
     """Publish every bundle of part `part_id` whose parts are all done; their keys. What the
     manifest lists comes from the build's row (checked against its key) and the parts'
     listings that `signer` or one of `trusted` signed, never from the rows' outputs: the API
     can write the database, and holds no signing key. A part done without such a listing (an
     older farm's, or one removed) is queued again, for the reconciler to send; its bundles
-    wait for it."""
+    wait for it. A bundle of sub-model parts is opened whole in a child with `limits`."""
     keys = []
     for build in builds_of_part(session, part_id):
         if build.state in (DONE, FAILED) and published(store, build.bundle_key) is not None:
@@ -276,7 +280,7 @@ def publish_ready(
             if unsigned:
                 _compile_again(session, unsigned)
                 continue
-            publish(store, signer, build, parts, listings, fields)
+            publish(store, signer, build, parts, listings, fields, sandboxed_check(limits))
         except FarmError as error:
             if error.kind is Kind.INFRASTRUCTURE:  # the task is retried, and publishes again
                 raise
@@ -299,10 +303,12 @@ def publish(
     parts: list[BundlePart],
     listings: Mapping[int, StoredPart | None],
     fields: _KeyFields,
+    check: AssembledCheck,
 ) -> dict[str, Any]:
     """Store the folder's files beside the parts' outputs (`listings`: each part's signed
     listing, by part id) and the signed manifest last (a bundle exists only when all its files
-    do); an existing manifest is kept. `fields`: the build's, checked against its key."""
+    do); an existing manifest is kept. `fields`: the build's, checked against its key;
+    `check`: opens a pipeline of sub-model parts whole (`check_parts`)."""
     existing = published(store, build.bundle_key)
     if existing is not None:
         return existing
@@ -325,7 +331,7 @@ def publish(
         if part.name == WHOLE:
             reference = dict(metrics.get("reference") or {})
     if all(part.name != WHOLE for part in parts):  # sub-models compiled apart: assemble them
-        reference = _check_assembled(store, build, compiled)
+        reference = _check_assembled(store, fields, compiled, check)
     manifest = BundleManifest(
         bundle_key=build.bundle_key,
         pipeline=fields.kind,
@@ -450,20 +456,19 @@ def _compile_again(session: Session, parts: list[BundlePart]) -> None:
 
 
 def _check_assembled(
-    store: BlobStore, build: BundleBuild, compiled: list[BundleFile]
+    store: BlobStore, fields: _KeyFields, compiled: list[BundleFile], check: AssembledCheck
 ) -> dict[str, Any]:
     """Open the pipeline on exactly its parts' cache entries and check it compiles nothing
     (`farm.server.bundles.parts.check_parts`): the bundle's reference run."""
-    from farm.core.spec import Target
     from farm.server.bundles.builds import recognise
     from farm.server.bundles.parts import check_parts, options_of
 
     with tempfile.TemporaryDirectory(prefix="farm-bundle-check-") as scratch:
         root = Path(scratch) / "folder"
-        stage_folder(store, build.files, root, full=True)
-        folder = recognise(root, build.pipeline)
-        options = options_of(folder.kind, Target.parse(build.target), build.options)
-        return check_parts(store, folder, options, compiled)
+        stage_folder(store, fields.files, root, full=True)
+        folder = recognise(root, fields.kind)
+        options = options_of(folder.kind, fields.target, fields.compile_options)
+        return check_parts(store, folder, options, compiled, check)
 
 
 def _copy_model_file(store: BlobStore, sha: str) -> int:

@@ -51,6 +51,14 @@ def sandboxed(limits: RunLimits) -> Compile:
     return parts.sandboxed_part(limits)
 
 
+check_in_process = parts.check_in_process
+
+
+def sandboxed_check(limits: RunLimits) -> parts.AssembledCheck:
+    """Open a pipeline of sub-model parts whole in a child with the compile's limits."""
+    return parts.sandboxed_check(limits)
+
+
 def build_bundle(
     store: BlobStore,
     signer: Signer,
@@ -58,10 +66,12 @@ def build_bundle(
     options: GenAIOptions,
     compile: Compile = in_process,
     trusted: TrustedKeys | None = None,
+    check: parts.AssembledCheck = check_in_process,
 ) -> dict[str, Any]:
     """Compile `folder`, upload what the edge needs and the signed manifest; the signed
     manifest. An existing bundle is returned as it is (compiled once); so is a part whose
-    listing `signer` or one of `trusted` signed."""
+    listing `signer` or one of `trusted` signed. `check`: where a pipeline of sub-model parts
+    is opened whole at the end (`parts.check_parts`)."""
     files = identity(folder)
     key = bundle_key(
         folder.kind, files, options.target, key_options(folder, options), toolchain(options.target)
@@ -71,7 +81,7 @@ def build_bundle(
         return existing
     # Each part compiles once: a part another bundle compiled (the same VAE) is reused.
     built = parts.build_parts(
-        store, folder, options, toolchain(options.target), signer, compile, files, trusted
+        store, folder, options, toolchain(options.target), signer, compile, files, trusted, check
     )
     # A Hugging Face folder ships its exported pipeline folder (among the outputs), not
     # itself; an OpenVINO pipeline folder ships its own files beside the compiled ones.

@@ -331,6 +331,8 @@ class StageRun:
 
 STAGE_OUTPUT = {"xml": "out/model.xml", "bin": "out/model.bin"}
 """Where a stage's child writes its output IR, relative to its box."""
+CACHE_ENTRIES = "cache-entries"
+"""Where a pipeline child finds the compiled entries it is given (`pipeline_in_child`)."""
 
 
 def stage_in_child(
@@ -508,14 +510,21 @@ def pipeline_in_child(
     compile_user: str | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     convert_task: str | None = None,
+    cache_entries: Mapping[str, Path] | None = None,
 ) -> PipelineRun:
     """Compile a GenAI pipeline folder (`files`: relative path -> file) in a child with the
     compile's limits (§17, `farm.server.bundles.compile.child_main`); its outputs (cache entries
-    or NPU blobs, by their path in the bundle) are moved to `out_dir`."""
+    or NPU blobs, by their path in the bundle) are moved to `out_dir`. `cache_entries` (name ->
+    file): compiled entries staged for the child beside the folder, read-only, in the folder
+    its request names ``cache_entries``."""
     from farm.core.bundles import safe_path  # signing: not in the compile child's imports
 
+    # Roles of their own (absolute: never a folder file's), staged under CACHE_ENTRIES.
+    entries = {f"/{CACHE_ENTRIES}/{name}": path for name, path in (cache_entries or {}).items()}
+    names = {relative: f"pipeline/{relative}" for relative in files}
+    names |= {role: role.lstrip("/") for role in entries}
     with _child_in_box(
-        files,
+        {**files, **entries},
         out_dir,
         f"{bundle_key}.pipeline",
         compile_identity(compile_user),
@@ -526,10 +535,11 @@ def pipeline_in_child(
             "target": target,
             "options": dict(options),
             "memory_bytes": memory_bytes,
+            "cache_entries": CACHE_ENTRIES if entries else None,
         },
         timeout_seconds,
         should_stop,
-        names={relative: f"pipeline/{relative}" for relative in files},
+        names=names,
     ) as run:
         output = _tail(run.log_path)
         if run.timed_out:
@@ -1761,6 +1771,10 @@ def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int
         }
     else:
         payload = bundle_compile.child_main(request)
+    memory_bytes = request.get("memory_bytes")
+    if memory_bytes and any(sign in payload.get("message", "") for sign in _MEMORY_SIGNS):
+        print(payload["message"], file=sys.stderr)  # OpenVINO's own words, for the log
+        payload = {"error": "out_of_memory", "message": memory_limit_message(memory_bytes)}
     result.write(json.dumps(payload))
     result.close()
     return 0
