@@ -598,3 +598,126 @@ def test_a_worker_reuses_a_stored_part_only_when_a_key_it_trusts_signed_its_list
     assert signed is not None
     manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
     assert "cache/1.blob" in {f.path for f in manifest.files}
+
+
+def test_a_served_bundle_of_sub_model_parts_is_opened_whole_in_the_sandboxed_child(
+    served_farm, stub, tmp_path: Path, monkeypatch
+) -> None:
+    """The last check of a pipeline whose sub-models compiled apart opens the whole submitted
+    folder: the worker runs it in a child with its limits, never in its own process."""
+    from tests.unit.test_pipelines import _text2image
+
+    root = _text2image(tmp_path / "t2i")
+    for sub in ("text_encoder", "unet", "vae_decoder"):  # what makes each a part of its own
+        (root / sub / "config.json").write_text(f'{{"model": "{sub}"}}')
+    files = _uploaded(served_farm, root)
+    key = _submit(served_farm, stub, _request(files, pipeline="text2image"))["bundle_key"]
+    signer = Signer(Ed25519PrivateKey.generate())
+    with served_farm.session() as session:
+        rows = session.scalars(select(BundlePart).order_by(BundlePart.name)).all()
+    assert [row.name for row in rows] == ["text_encoder", "unet", "vae_decoder"]
+    for row in rows:
+        entry = tmp_path / f"{row.name}.blob"
+        entry.write_bytes(row.name.encode())
+        unit = parts.Part(row.name, row.part_key, {}, row.memory_bytes)
+        output = parts.PartOutput({f"cache/{row.name}.blob": entry}, {})
+        parts.publish_part(served_farm.store, unit, output, signer)
+    with served_farm.session() as session:
+        session.execute(update(BundlePart).values(state="done", output_files={}))
+        session.commit()
+    opened = []
+
+    def in_child(limits: RunLimits):
+        def check(folder, options, cache: Path) -> dict:
+            opened.append((limits, folder.kind, sorted(p.name for p in cache.iterdir())))
+            return {"image_sha256": "0" * 64}
+
+        return check
+
+    monkeypatch.setattr(served, "sandboxed_check", in_child)
+    monkeypatch.setattr(parts, "check_in_process", _never)
+    with served_farm.session() as session:
+        assert served.publish_ready(
+            session, served_farm.store, signer, rows[0].id, limits=LIMITS
+        ) == [key]
+    entries = ["text_encoder.blob", "unet.blob", "vae_decoder.blob"]
+    assert opened == [(LIMITS, "text2image", entries)]
+    signed = published(served_farm.store, key)
+    assert signed is not None
+    manifest = verify(signed, TrustedKeys({}).with_key(signer.public_key), key)
+    assert manifest.reference == {"image_sha256": "0" * 64}
+
+
+def test_the_embedded_farm_compiles_and_checks_a_pipeline_in_sandboxed_children(
+    embedded_farm, tmp_path: Path, monkeypatch
+) -> None:
+    from farm.cli.backends.direct import Direct
+    from farm.core.pipelines import GenAIOptions, detect
+    from farm.server.bundles import service
+    from tests.unit.test_pipelines import _text2image
+
+    limits = RunLimits(max_run_seconds=7, compile_user="nobody")
+    monkeypatch.setattr(type(embedded_farm), "run_limits", property(lambda self: limits))
+    given = {}
+
+    def build_bundle(store, signer, folder, options, compile, trusted, check):
+        given.update(compile=compile, check=check)
+        return {}
+
+    monkeypatch.setattr(service, "sandboxed", lambda got: ("compile in a child", got))
+    monkeypatch.setattr(service, "sandboxed_check", lambda got: ("check in a child", got))
+    monkeypatch.setattr(service, "build_bundle", build_bundle)
+    folder = detect(_text2image(tmp_path / "t2i"))
+    Direct(embedded_farm).submit_pipeline(folder, GenAIOptions(folder.kind, CPU, {}))
+    assert given == {
+        "compile": ("compile in a child", limits),
+        "check": ("check in a child", limits),
+    }
+
+
+def test_every_pipeline_child_becomes_the_compile_user_through_the_launcher(
+    served_farm, stub, folder, tmp_path: Path, monkeypatch
+) -> None:
+    """A worker that is not root (docker/Dockerfile's) reaches the compile user only through
+    FARM_COMPILE_LAUNCHER: every pipeline child is given it, or it runs as the worker, which
+    can read the signing key."""
+    import farm.genai
+    from farm.core.pipelines import GenAIOptions, detect
+    from farm.server.jobs import sandbox
+    from tests.unit.test_pipelines import _text2image
+
+    class Started(Exception):
+        pass
+
+    asked = []
+
+    def identity(user: str | None, launcher: Path | None = None):
+        asked.append((user, launcher))
+        raise Started
+
+    monkeypatch.setattr(sandbox, "compile_identity", identity)
+    launcher = Path("/usr/local/libexec/farm-compile-launcher")
+    limits = RunLimits(max_run_seconds=60, compile_user="farm-compile", compile_launcher=launcher)
+    t2i = detect(_text2image(tmp_path / "t2i"))
+    options = GenAIOptions(t2i.kind, CPU, {})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "1.blob").write_bytes(b"compiled")
+    with pytest.raises(Started):
+        parts.sandboxed_check(limits)(t2i, options, cache)
+    with pytest.raises(Started):
+        parts.sandboxed_part(limits)(t2i, options, parts.Part("unet", "k", {}, 1), tmp_path / "w")
+    # The worker's own compile of a part.
+    _submit(served_farm, stub, _request(folder))
+    monkeypatch.setattr(farm.genai, "toolchain", lambda target: dict(TOOLCHAIN))
+    monkeypatch.setattr(served, "pipeline_in_child", sandbox.pipeline_in_child)
+    with pytest.raises(Started):
+        served.run_part(
+            served_farm.sessions,
+            served_farm.store,
+            _part(served_farm).id,
+            worker="w1",
+            limits=limits,
+            signer=Signer(Ed25519PrivateKey.generate()),
+        )
+    assert asked == [("farm-compile", launcher)] * 3

@@ -187,6 +187,8 @@ def child_main(request: Mapping[str, Any]) -> dict[str, Any]:
             kind=folder.kind, target=Target.parse(str(request["target"])), values=values
         )
         if part == ASSEMBLED:
+            if not request.get("cache_entries"):
+                raise CompileError("the assembled check was given no cache entries to open")
             entries = box / str(request["cache_entries"])
             return {"outputs": {}, "reference": _check_given(folder, options, entries, box)}
         if part is not None and part != WHOLE_PIPELINE:

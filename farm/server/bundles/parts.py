@@ -475,6 +475,7 @@ def sandboxed_check(limits: RunLimits) -> AssembledCheck:
             timeout_seconds=limits.max_run_seconds,
             memory_bytes=limits.memory_bytes,
             compile_user=limits.compile_user,
+            compile_launcher=limits.compile_launcher,
             cache_entries={entry.name: entry for entry in sorted(cache.iterdir())},
         )
         return done.reference
@@ -499,6 +500,7 @@ def sandboxed_part(limits: RunLimits) -> PartCompile:
             timeout_seconds=limits.max_run_seconds,
             memory_bytes=limits.memory_bytes,
             compile_user=limits.compile_user,
+            compile_launcher=limits.compile_launcher,
             convert_task=folder.convert_task,
         )
         return PartOutput(files=dict(done.outputs), metrics={"reference": done.reference})

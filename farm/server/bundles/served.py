@@ -138,6 +138,7 @@ def run_part(
                         timeout_seconds=limits.max_run_seconds,
                         memory_bytes=limits.memory_bytes,
                         compile_user=limits.compile_user,
+                        compile_launcher=limits.compile_launcher,
                         should_stop=lease.should_stop,
                         convert_task=convert_task,
                     )

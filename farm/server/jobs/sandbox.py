@@ -508,6 +508,7 @@ def pipeline_in_child(
     timeout_seconds: float,
     memory_bytes: int | None = None,
     compile_user: str | None = None,
+    compile_launcher: Path | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     convert_task: str | None = None,
     cache_entries: Mapping[str, Path] | None = None,
@@ -527,7 +528,7 @@ def pipeline_in_child(
         {**files, **entries},
         out_dir,
         f"{bundle_key}.pipeline",
-        compile_identity(compile_user),
+        compile_identity(compile_user, compile_launcher),
         {
             "task": "pipeline",
             "kind": kind,
@@ -1772,9 +1773,16 @@ def _pipeline_child(request: dict, result: io.TextIOWrapper, parent: int) -> int
     else:
         payload = bundle_compile.child_main(request)
     memory_bytes = request.get("memory_bytes")
-    if memory_bytes and any(sign in payload.get("message", "") for sign in _MEMORY_SIGNS):
-        print(payload["message"], file=sys.stderr)  # OpenVINO's own words, for the log
-        payload = {"error": "out_of_memory", "message": memory_limit_message(memory_bytes)}
+    said = str(payload.get("message", ""))
+    if (
+        memory_bytes
+        and payload.get("error") != errors.SandboxUnavailable.code
+        and any(sign in said for sign in _MEMORY_SIGNS)
+    ):  # what failed is kept: the signs are a guess (a noexec mount fails to map segments too)
+        payload = {
+            "error": "out_of_memory",
+            "message": f"{memory_limit_message(memory_bytes)} (OpenVINO: {said})",
+        }
     result.write(json.dumps(payload))
     result.close()
     return 0
