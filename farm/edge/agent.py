@@ -41,7 +41,7 @@ from farm.core.filecache import BlobCache, booted_at, same_file
 from farm.core.signing import Manifest, TrustedKeys
 from farm.core.spec import Target, Toolchain
 from farm.core.status import verify_status
-from farm.edge.importer import import_blob, import_failure
+from farm.edge.importer import import_blob, import_config, import_failure
 from farm.toolchain import host_toolchain
 
 DOWNLOAD_ATTEMPTS = 5
@@ -365,7 +365,8 @@ class EdgeAgent:
                 verify_weights(blob, weights)
             lease = self.cache.hold(cache_key)
             try:
-                imported = import_blob(fetched.path, device, weights, lease)
+                config = import_config(blob["target"], blob.get("spec"))
+                imported = import_blob(fetched.path, device, weights, lease, config)
             except RuntimeError as error:  # what OpenVINO raises, as an error one can act on
                 lease.close()
                 target = Target.parse(blob["target"])

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,6 +28,13 @@ COPY_CHUNK = 1 << 20
 
 DROP_BEHIND_SECONDS = 0.01
 """While OpenVINO imports, the blob's mapped pages are released from this process this often."""
+
+IMPORT_CONFIG = frozenset({"INFERENCE_PRECISION_HINT", "EXECUTION_MODE_HINT"})
+"""The compile properties a CPU blob is imported with again. The CPU plugin takes them from
+the import's own config, not from the blob: a blob compiled with ``INFERENCE_PRECISION_HINT=f32``
+on a CPU whose default is bf16 (AMX) ran parts of its graph in bf16 when imported without it,
+and gave another class for one input of three (OpenVINO 2026.4; docs/openvino.md). OpenVINO's
+own cache imports with the compile's whole config."""
 
 
 @dataclass
@@ -68,16 +76,27 @@ def write_export(entry: str | Path, output: str | Path) -> Path:
     return output
 
 
+def import_config(target: str, spec: Mapping[str, Any] | None) -> dict[str, str]:
+    """What a blob of `target` compiled with `spec` (its record's canonical spec) is imported
+    with: `IMPORT_CONFIG`'s properties of a CPU blob; nothing for other devices."""
+    if not spec or Target.parse(target).device != "CPU":
+        return {}
+    config = spec.get("config") or {}
+    return {name: str(value) for name, value in sorted(config.items()) if name in IMPORT_CONFIG}
+
+
 def import_blob(
     path: str | Path,
     device: str,
     weights_path: str | Path | None = None,
     lease: BinaryIO | None = None,
+    config: Mapping[str, str] | None = None,
 ) -> ImportedBlob:
     """Import the blob at `path` for `device` ("CPU", "NPU") from a memory map.
 
     A weightless blob needs `weights_path`, the model's own `.bin`; the caller must have
     checked its digest, because OpenVINO imports a wrong `.bin` of the same size silently.
+    `config`: the compile properties to import with (`import_config`).
     """
     started = time.perf_counter()
     offset = payload_offset(path)
@@ -87,9 +106,9 @@ def import_blob(
         whole = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
     mapping = np.frombuffer(whole, dtype=np.uint8, offset=offset)
     tensor = ov.Tensor(mapping, shared_memory=True)
-    properties: dict[str, str] = {}
+    properties = dict(config or {})
     if weights_path is not None:
-        properties = {"CACHE_MODE": "OPTIMIZE_SIZE", "WEIGHTS_PATH": str(weights_path)}
+        properties |= {"CACHE_MODE": "OPTIMIZE_SIZE", "WEIGHTS_PATH": str(weights_path)}
     with _DropBehind(whole):
         compiled = ov.Core().import_model(tensor, device, properties)
     # A caller that keeps only the compiled model must not lose the memory it runs from:

@@ -93,7 +93,11 @@ def test_the_assembled_check_refuses_a_compiled_file_changed_in_storage(store, t
     entry = BundleFile(f"cache/{forged[:8]}.blob", forged, len(b"the compiled entry"))
     # The files are copied, and checked, before the pipeline is opened: none is needed here.
     with pytest.raises(IntegrityMismatch, match=f"bundle file {entry.path} is corrupt"):
-        check_parts(store, None, None, [entry])  # type: ignore[arg-type]
+        check_parts(store, None, None, [entry], _never_opened)  # type: ignore[arg-type]
+
+
+def _never_opened(*args: object) -> dict:
+    raise AssertionError("a pipeline opened on a file that failed its check")
 
 
 def test_the_assembled_check_retries_a_compiled_file_changed_on_its_way(tmp_path):
@@ -101,4 +105,4 @@ def test_the_assembled_check_retries_a_compiled_file_changed_on_its_way(tmp_path
     stored(store, file_storage_key(SHA), GENUINE, tmp_path)
     entry = BundleFile("cache/1.blob", SHA, len(GENUINE))
     with pytest.raises(StorageError, match="changed on its way from storage; retrying"):
-        check_parts(store, None, None, [entry])  # type: ignore[arg-type]
+        check_parts(store, None, None, [entry], _never_opened)  # type: ignore[arg-type]

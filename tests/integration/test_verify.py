@@ -83,8 +83,10 @@ def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
     home, farm_env, edge_env, _ = lab
     onnx_model = shutil.copy(SQUEEZENET, tmp_path / "squeezenet.onnx")
     ir_model = models.save_ir(models.conv_net(seed=3), tmp_path / "ir" / "conv.xml")
-    for model in (ir_model, Path(onnx_model)):
-        key = submit(farm_env, model, settle=False)
+    # The onnx package's SqueezeNet (random weights) computed in bf16 on this input is another
+    # classifier (next test): pinned to f32 it verifies on every CPU.
+    for model, extra in ((ir_model, ()), (Path(onnx_model), ("--config", F32))):
+        key = submit(farm_env, model, *extra, settle=False)
         # Verified at once: the edge waits for the reference, which follows the blob.
         verified = ok_json(edge_env, "verify", key, "--runs", "5")
         (digest, size, signed, note, state) = sql(
@@ -102,7 +104,7 @@ def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
         )
         assert [p for (p,) in phases] == ["fetch", "compile", "upload", "record", "reference"]
         assert verified["passed"] is True and verified["farm"]["quarantined"] is False
-        assert verified["tolerance"] == _tolerance_of_this_cpu()
+        assert verified["tolerance"] == _tolerance_of_this_cpu("f32" if extra else None)
         assert verified["min_cosine"] >= verified["tolerance"]["min_cosine"]
         assert (
             verified["runs"] == 5 and 0 < verified["latency_min_ms"] <= verified["latency_p50_ms"]
@@ -121,21 +123,47 @@ def test_blobs_of_ir_and_onnx_models_verify_on_this_cpu(lab, tmp_path):
     assert latency == [("CPU", 2, 2)]
 
 
-def _tolerance_of_this_cpu() -> dict:
-    """The tolerance row of what this CPU computes a default CPU blob in: f32, or bf16 on a
-    CPU with AMX or AVX512-BF16 (OpenVINO's default there)."""
-    import dataclasses
+F32 = "INFERENCE_PRECISION_HINT=f32"
 
+
+def _precision_of_this_cpu() -> str | None:
+    """What this CPU computes a default CPU blob in: f32, or bf16 on a CPU with AMX or
+    AVX512-BF16 (OpenVINO's default there)."""
     import openvino as ov
     from openvino import opset13 as ops
 
-    from farm.core.tolerance import default_tolerance
     from farm.edge.verify import precision_name
 
     x = ops.parameter([4], ov.Type.f32, name="x")
     compiled = ov.Core().compile_model(ov.Model([ops.relu(x)], [x]), "CPU")
-    precision = precision_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
-    return dataclasses.asdict(default_tolerance("CPU", precision))
+    return precision_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+
+
+def _tolerance_of_this_cpu(precision: str | None = None) -> dict:
+    """The tolerance row of `precision` (default: what this CPU computes a default blob in)."""
+    import dataclasses
+
+    from farm.core.tolerance import default_tolerance
+
+    return dataclasses.asdict(default_tolerance("CPU", precision or _precision_of_this_cpu()))
+
+
+def test_a_model_that_bf16_changes_fails_verification_on_a_bf16_cpu(lab, tmp_path):
+    """On a CPU that computes in bf16 by default (AMX Xeons), the onnx package's SqueezeNet
+    gives another answer than its f32 reference (its softmax flattens): the edge's verification
+    says so and the blob is quarantined, though nothing in it is corrupt. Pinned to f32, the
+    same model's blob verifies (previous test)."""
+    if _precision_of_this_cpu() != "bf16":
+        pytest.skip("this CPU computes a default blob in f32")
+    _, farm_env, edge_env, _ = lab
+    key = submit(farm_env, Path(shutil.copy(SQUEEZENET, tmp_path / "squeezenet.onnx")))
+    failed = run_farm(edge_env, "verify", key, "--json")
+    assert failed.returncode == 9, failed.stderr
+    report = json.loads(failed.stdout)
+    assert report["passed"] is False and report["farm"]["quarantined"] is True
+    assert report["tolerance"] == _tolerance_of_this_cpu("bf16")
+    [output] = report["outputs"]
+    assert output["name"] == "softmaxout_1" and output["cosine"] < 0.5
 
 
 def test_a_divergent_blob_fails_is_quarantined_refused_and_rebuilt(lab, tmp_path):

@@ -283,3 +283,22 @@ def test_a_file_that_is_not_a_blob_is_refused(tmp_path):
     path.write_bytes(b"not a blob at all")
     with pytest.raises(BlobFormatError):
         read_header(path)
+
+
+def test_a_cpu_blob_is_imported_with_the_precision_it_was_compiled_in(tmp_path):
+    """The CPU plugin takes the inference precision from the import's config, not from the
+    blob: a blob compiled in f32 is imported with it again (on an AMX CPU, imported without
+    it, parts of its graph ran in bf16)."""
+    from farm.edge.importer import import_config
+
+    spec = CompileSpec.create("CPU", config=["INFERENCE_PRECISION_HINT=f32"])
+    result = compile_cpu(tmp_path, ir(tmp_path, models.conv_net(seed=3)), config=spec.config)
+    config = import_config("CPU", spec.canonical())
+    assert config == {"INFERENCE_PRECISION_HINT": "f32"}
+    imported = import_blob(result.blob_path, "CPU", config=config)
+    assert imported.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    # Only what changes the numbers, and only on CPU (the NPU's config is the compiler's).
+    chosen = {"config": {"PERFORMANCE_HINT": "LATENCY", "EXECUTION_MODE_HINT": "ACCURACY"}}
+    assert import_config("CPU", chosen) == {"EXECUTION_MODE_HINT": "ACCURACY"}
+    assert import_config("NPU.4000", spec.canonical()) == {}
+    assert import_config("CPU", None) == {}
