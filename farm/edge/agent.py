@@ -365,7 +365,7 @@ class EdgeAgent:
                 verify_weights(blob, weights)
             lease = self.cache.hold(cache_key)
             try:
-                config = import_config(blob["target"], blob.get("spec"))
+                config = import_config(blob)
                 imported = import_blob(fetched.path, device, weights, lease, config)
             except RuntimeError as error:  # what OpenVINO raises, as an error one can act on
                 lease.close()

@@ -21,20 +21,14 @@ import openvino as ov
 from farm.core.blobformat import CACHE_ENTRY_MAGIC, read_header
 from farm.core.errors import BlobFormatError, FarmError, Incompatible
 from farm.core.filecache import write_atomically
-from farm.core.spec import Target
+from farm.core.hashing import cache_key
+from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.toolchain import last_line
 
 COPY_CHUNK = 1 << 20
 
 DROP_BEHIND_SECONDS = 0.01
 """While OpenVINO imports, the blob's mapped pages are released from this process this often."""
-
-IMPORT_CONFIG = frozenset({"INFERENCE_PRECISION_HINT", "EXECUTION_MODE_HINT"})
-"""The compile properties a CPU blob is imported with again. The CPU plugin takes them from
-the import's own config, not from the blob: a blob compiled with ``INFERENCE_PRECISION_HINT=f32``
-on a CPU whose default is bf16 (AMX) ran parts of its graph in bf16 when imported without it,
-and gave another class for one input of three (OpenVINO 2026.4; docs/openvino.md). OpenVINO's
-own cache imports with the compile's whole config."""
 
 
 @dataclass
@@ -76,13 +70,33 @@ def write_export(entry: str | Path, output: str | Path) -> Path:
     return output
 
 
-def import_config(target: str, spec: Mapping[str, Any] | None) -> dict[str, str]:
-    """What a blob of `target` compiled with `spec` (its record's canonical spec) is imported
-    with: `IMPORT_CONFIG`'s properties of a CPU blob; nothing for other devices."""
-    if not spec or Target.parse(target).device != "CPU":
+def import_config(record: Mapping[str, Any]) -> dict[str, str]:
+    """What a CPU blob is imported with: the properties it was compiled with, from its record's
+    spec (the CPU plugin takes them from the import's config, not from the blob: a blob
+    compiled in f32 on a CPU whose default is bf16 ran parts of its graph in bf16 when imported
+    without them; docs/openvino.md). OpenVINO's own cache imports with the compile's config.
+    The spec is not among the signed fields: it is used only when it is the one the signed
+    cache key was computed from (`signed_spec`); else, and for NPU blobs (whose config is the
+    compiler's), nothing."""
+    spec = signed_spec(record)
+    if spec is None or spec.target.is_npu:
         return {}
-    config = spec.get("config") or {}
-    return {name: str(value) for name, value in sorted(config.items()) if name in IMPORT_CONFIG}
+    properties = compile_properties(spec)
+    properties.pop("CACHE_MODE", None)  # a weightless blob's: `import_blob` sets it
+    return properties
+
+
+def signed_spec(record: Mapping[str, Any]) -> CompileSpec | None:
+    """The record's spec when the cache key, with the record's signed model digests, target and
+    toolchain, was computed from it (a compiled IR or ONNX model's record; a converted source's
+    key holds its recipe, which the record does not); None otherwise, or when malformed."""
+    try:
+        spec = CompileSpec.from_canonical(record["target"], record["spec"])
+        toolchain = Toolchain.from_json(record["toolchain"]).key_part(spec.target)
+        key = cache_key(record["model"], spec.target.name, spec.canonical(), toolchain)
+    except (FarmError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return spec if key == record.get("cache_key") else None
 
 
 def import_blob(

@@ -184,8 +184,7 @@ def verify_blob(
     try:
         imported = _import(agent, cache_key, device, weights, record)
         result.import_seconds = imported.import_seconds
-        precision = precision_name(property_or_none(imported.compiled, "INFERENCE_PRECISION_HINT"))
-        result.tolerance = _tolerance(target, precision, overrides)
+        result.tolerance = _tolerance(target, run_precision(imported.compiled), overrides)
         outputs, result.latencies_ms = _run(
             imported.compiled, reference.inputs, list(reference.outputs), runs
         )
@@ -342,6 +341,17 @@ def _tolerance(
     values = {"atol": base.atol, "rtol": base.rtol, "min_cosine": base.min_cosine}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Tolerance(**values)
+
+
+def run_precision(compiled: ov.CompiledModel) -> str | None:
+    """The tolerance table's name of what `compiled` computes in. With
+    ``EXECUTION_MODE_HINT=ACCURACY`` and no precision hint the CPU plugin runs f32 and reports
+    the precision as ``dynamic``."""
+    precision = precision_name(property_or_none(compiled, "INFERENCE_PRECISION_HINT"))
+    mode = str(property_or_none(compiled, "EXECUTION_MODE_HINT") or "")
+    if precision == "dynamic" and mode.upper().endswith("ACCURACY"):
+        return "f32"
+    return precision
 
 
 def precision_name(precision: object) -> str | None:

@@ -285,20 +285,48 @@ def test_a_file_that_is_not_a_blob_is_refused(tmp_path):
         read_header(path)
 
 
-def test_a_cpu_blob_is_imported_with_the_precision_it_was_compiled_in(tmp_path):
-    """The CPU plugin takes the inference precision from the import's config, not from the
-    blob: a blob compiled in f32 is imported with it again (on an AMX CPU, imported without
-    it, parts of its graph ran in bf16)."""
-    from farm.edge.importer import import_config
+def test_a_cpu_blob_is_imported_with_the_properties_of_its_signed_spec(tmp_path):
+    """The CPU plugin takes the inference precision and execution mode from the import's
+    config, not from the blob: a blob is imported with its spec's properties again (on an AMX
+    CPU, an f32 blob imported without them ran parts of its graph in bf16), and only with a
+    spec its signed cache key was computed from."""
+    import dataclasses
 
-    spec = CompileSpec.create("CPU", config=["INFERENCE_PRECISION_HINT=f32"])
-    result = compile_cpu(tmp_path, ir(tmp_path, models.conv_net(seed=3)), config=spec.config)
-    config = import_config("CPU", spec.canonical())
-    assert config == {"INFERENCE_PRECISION_HINT": "f32"}
-    imported = import_blob(result.blob_path, "CPU", config=config)
-    assert imported.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
-    # Only what changes the numbers, and only on CPU (the NPU's config is the compiler's).
-    chosen = {"config": {"PERFORMANCE_HINT": "LATENCY", "EXECUTION_MODE_HINT": "ACCURACY"}}
-    assert import_config("CPU", chosen) == {"EXECUTION_MODE_HINT": "ACCURACY"}
-    assert import_config("NPU.4000", spec.canonical()) == {}
-    assert import_config("CPU", None) == {}
+    from farm.core.hashing import cache_key
+    from farm.edge.importer import import_config
+    from farm.edge.verify import run_precision
+
+    files = ir(tmp_path, models.conv_net(seed=3))
+    model = {"xml": "1" * 64, "bin": "2" * 64}
+
+    def record(spec: CompileSpec, toolchain) -> dict:
+        key = cache_key(model, "CPU", spec.canonical(), toolchain.key_part(spec.target))
+        return {
+            "cache_key": key,
+            "target": "CPU",
+            "spec": spec.canonical(),
+            "toolchain": dataclasses.asdict(toolchain),
+            "model": model,
+        }
+
+    for config, precision in (
+        ("INFERENCE_PRECISION_HINT=f32", "f32"),
+        ("EXECUTION_MODE_HINT=ACCURACY", "f32"),
+    ):
+        name, value = config.split("=")
+        spec = CompileSpec.create("CPU", config=[config], performance_hint="throughput")
+        (tmp_path / name).mkdir()
+        result = compile_cpu(
+            tmp_path / name, files, config=spec.config, performance_hint="throughput"
+        )
+        signed = record(spec, result.toolchain)
+        assert import_config(signed) == {name: value, "PERFORMANCE_HINT": "THROUGHPUT"}
+        imported = import_blob(result.blob_path, "CPU", config=import_config(signed))
+        got = imported.compiled.get_property(name)
+        assert (got.get_type_name() if isinstance(got, ov.Type) else got.name) == value
+        assert run_precision(imported.compiled) == precision  # the tolerance row it is judged by
+        # A spec the key was not computed from (the record's spec is not signed): nothing.
+        altered = {**signed, "spec": {**signed["spec"], "config": {name: "bf16"}}}
+        assert import_config(altered) == {}
+        assert import_config({**signed, "spec": "f32"}) == {}
+        assert import_config({**signed, "spec": None}) == {}
