@@ -112,7 +112,7 @@ def compile_model(
         try:
             if verify:
                 _verify(agent, key, compile_spec.target.device, weights)
-            imported = agent.load(key, compile_spec.target.device, weights)
+            imported = agent.load(key, compile_spec.target.device, weights, spec=compile_spec)
         except NotFound:
             if fallback != "compile":
                 raise BlobNotAvailable(

@@ -39,7 +39,7 @@ from farm.core.errors import (
 )
 from farm.core.filecache import BlobCache, booted_at, same_file
 from farm.core.signing import Manifest, TrustedKeys
-from farm.core.spec import Target, Toolchain
+from farm.core.spec import CompileSpec, Target, Toolchain
 from farm.core.status import verify_status
 from farm.edge.importer import import_blob, import_config, import_failure
 from farm.toolchain import host_toolchain
@@ -347,9 +347,12 @@ class EdgeAgent:
         weights: Path | None = None,
         blob: dict | None = None,
         report: bool = True,
+        spec: CompileSpec | None = None,
     ):
         """Fetch, import from a memory map, report the pull (unless `report` is False: a
-        verification is reported as such, not as an app's pull): an `ImportedBlob`."""
+        verification is reported as such, not as an app's pull): an `ImportedBlob`. `spec`:
+        the spec the caller computed `cache_key` from (a CPU blob is imported with its
+        properties; else the record's, when its signed key was computed from it)."""
         fetched = self.fetch(cache_key, blob=blob)
         blob = fetched.blob
         device = device or Target.parse(blob["target"]).device
@@ -365,7 +368,7 @@ class EdgeAgent:
                 verify_weights(blob, weights)
             lease = self.cache.hold(cache_key)
             try:
-                config = import_config(blob)
+                config = import_config(blob, spec)
                 imported = import_blob(fetched.path, device, weights, lease, config)
             except RuntimeError as error:  # what OpenVINO raises, as an error one can act on
                 lease.close()

@@ -195,7 +195,7 @@ def _fetch_all(
                 why = outcome["error"] or "outputs outside tolerance"
                 raise VerificationFailed(f"blob {key} of {entry.name} failed verification: {why}")
         if do_import and not entry.spec.weightless:
-            imported.append(agent.load(key, blob=fetched.blob))
+            imported.append(agent.load(key, blob=fetched.blob, spec=entry.spec))
         elif fetched.downloaded:
             agent.report_download(key)
         keys.append(

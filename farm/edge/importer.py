@@ -5,6 +5,7 @@ Imports openvino and numpy only (the edge install has no compiler, database or b
 
 from __future__ import annotations
 
+import logging
 import mmap
 import re
 import threading
@@ -24,6 +25,8 @@ from farm.core.filecache import write_atomically
 from farm.core.hashing import cache_key
 from farm.core.spec import CompileSpec, Target, Toolchain, compile_properties
 from farm.toolchain import last_line
+
+log = logging.getLogger(__name__)
 
 COPY_CHUNK = 1 << 20
 
@@ -70,16 +73,25 @@ def write_export(entry: str | Path, output: str | Path) -> Path:
     return output
 
 
-def import_config(record: Mapping[str, Any]) -> dict[str, str]:
-    """What a CPU blob is imported with: the properties it was compiled with, from its record's
-    spec (the CPU plugin takes them from the import's config, not from the blob: a blob
-    compiled in f32 on a CPU whose default is bf16 ran parts of its graph in bf16 when imported
-    without them; docs/openvino.md). OpenVINO's own cache imports with the compile's config.
-    The spec is not among the signed fields: it is used only when it is the one the signed
-    cache key was computed from (`signed_spec`); else, and for NPU blobs (whose config is the
-    compiler's), nothing."""
-    spec = signed_spec(record)
-    if spec is None or spec.target.is_npu:
+def import_config(record: Mapping[str, Any], spec: CompileSpec | None = None) -> dict[str, str]:
+    """What a CPU blob is imported with: the properties it was compiled with (the CPU plugin
+    takes them from the import's config, not from the blob: a blob compiled in f32 on a CPU
+    whose default is bf16 ran parts of its graph in bf16 when imported without them;
+    docs/openvino.md). OpenVINO's own cache imports with the compile's config. `spec`: the one
+    the caller computed the blob's key from, itself; else the record's, only when the signed
+    cache key was computed from it (`signed_spec`: the record's spec is not signed). Nothing
+    for NPU blobs (their config is the compiler's), nor when no spec can be trusted."""
+    spec = spec or signed_spec(record)
+    if spec is None:
+        if (record.get("spec") or {}) != {} and not str(record.get("target", "")).startswith("NPU"):
+            log.warning(
+                "blob %s: its record's spec is not the one its signed key was computed from "
+                "(a blob made through a recipe, or an altered answer): imported with the "
+                "device's defaults",
+                record.get("cache_key"),
+            )
+        return {}
+    if spec.target.is_npu:
         return {}
     properties = compile_properties(spec)
     properties.pop("CACHE_MODE", None)  # a weightless blob's: `import_blob` sets it
@@ -88,15 +100,17 @@ def import_config(record: Mapping[str, Any]) -> dict[str, str]:
 
 def signed_spec(record: Mapping[str, Any]) -> CompileSpec | None:
     """The record's spec when the cache key, with the record's signed model digests, target and
-    toolchain, was computed from it (a compiled IR or ONNX model's record; a converted source's
-    key holds its recipe, which the record does not); None otherwise, or when malformed."""
+    toolchain, was computed from it as stored (a compiled IR or ONNX model's record; a recipe's
+    key holds its last stage, which the record does not); None otherwise, or when malformed."""
     try:
-        spec = CompileSpec.from_canonical(record["target"], record["spec"])
-        toolchain = Toolchain.from_json(record["toolchain"]).key_part(spec.target)
-        key = cache_key(record["model"], spec.target.name, spec.canonical(), toolchain)
+        target = Target.parse(record["target"])
+        toolchain = Toolchain.from_json(record["toolchain"]).key_part(target)
+        key = cache_key(record["model"], target.name, record["spec"], toolchain)
+        if key != record.get("cache_key"):
+            return None
+        return CompileSpec.from_canonical(target, record["spec"])
     except (FarmError, KeyError, TypeError, ValueError, AttributeError):
         return None
-    return spec if key == record.get("cache_key") else None
 
 
 def import_blob(

@@ -137,7 +137,7 @@ def sync_once(
                     results.append(SyncResult(label, summary, "failed", key, why))
                     continue
             if do_import:
-                agent.load(key, weights=weights, blob=fetched.blob)
+                agent.load(key, weights=weights, blob=fetched.blob, spec=entry.spec)
             elif fetched.downloaded:  # a verification is not a pull; gc counts pulls
                 agent.report_download(key)
             results.append(

@@ -330,3 +330,8 @@ def test_a_cpu_blob_is_imported_with_the_properties_of_its_signed_spec(tmp_path)
         assert import_config(altered) == {}
         assert import_config({**signed, "spec": "f32"}) == {}
         assert import_config({**signed, "spec": None}) == {}
+        # A recipe's key holds its last stage, not the record's model digests: only the spec
+        # the caller computed the key from itself (`farm.edge.compile_model`, channels) counts.
+        staged = {**signed, "cache_key": "3" * 64}
+        assert import_config(staged) == {}
+        assert import_config(staged, spec) == {name: value, "PERFORMANCE_HINT": "THROUGHPUT"}
