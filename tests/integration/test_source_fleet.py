@@ -26,6 +26,7 @@ from tests.integration.served import wait_until
 from tests.integration.test_sources import frameworks, make_source  # noqa: F401
 
 pytestmark = pytest.mark.slow
+F32 = "INFERENCE_PRECISION_HINT=f32"
 HF_SHAPES = [f"{name}[1,8]" for name in ("input_ids", "attention_mask", "token_type_ids")]
 EDGE_SOURCES = {
     # name: (tests.make_sources kind, what it writes, example inputs, task, shapes)
@@ -46,9 +47,12 @@ done = {}
 for name, case in cases.items():
     compiled = farm.edge.compile_model(
         case["path"], "CPU", example_input=case["example_input"], task=case["task"],
-        shapes=case["shapes"] or None,
+        shapes=case["shapes"] or None, config=case.get("config"),
     )
     done[name] = sorted(p.get_any_name() for p in compiled.inputs)
+    if case.get("config"):
+        precision = compiled.get_property("INFERENCE_PRECISION_HINT")
+        done[name + " precision"] = precision.get_type_name()
 frameworks = ("torch", "tensorflow", "paddle", "transformers", "optimum")
 print(json.dumps({"inputs": done, "frameworks": [m for m in frameworks if m in sys.modules]}))
 """
@@ -79,6 +83,12 @@ def test_the_edge_sdk_and_agent_sync_take_any_source_and_compute_the_farms_key(
         )
         assert answer["job"]["state"] == "succeeded", (name, answer)
         keys[name] = answer["cache_key"]
+    # A converted source's blob pinned to f32: its key holds its last stage, so the record's spec
+    # cannot be checked against it; the SDK imports it with the spec it computed the key from.
+    pinned = served.farm_json(
+        "submit", str(built["pt2"]), "-d", "CPU", "--config", F32, "--wait", env=submitter
+    )
+    assert pinned["job"]["state"] == "succeeded", pinned
 
     env = edge_environment(api, served, tmp_path / "edge-home", "edge-fleet")
     env["FARM_CACHE_DIR"] = str(tmp_path / "edge-cache")
@@ -91,6 +101,7 @@ def test_the_edge_sdk_and_agent_sync_take_any_source_and_compute_the_farms_key(
         }
         for name, path in built.items()
     }
+    cases["pt2 f32"] = {**cases["pt2"], "config": [F32]}
     sdk = subprocess.run(
         [str(edge_venv / "bin" / "python"), "-c", EDGE_SDK, json.dumps(cases)],
         capture_output=True,
@@ -105,7 +116,8 @@ def test_the_edge_sdk_and_agent_sync_take_any_source_and_compute_the_farms_key(
     assert answer["frameworks"] == []
     assert answer["inputs"]["huggingface"] == ["attention_mask", "input_ids", "token_type_ids"]
     assert answer["inputs"]["torchscript"] == ["x"]
-    assert set(answer["inputs"]) == set(built)
+    assert answer["inputs"]["pt2 f32 precision"] == "f32"  # bf16 on an AMX CPU, imported bare
+    assert set(answer["inputs"]) == {*built, "pt2 f32", "pt2 f32 precision"}
 
     # farm agent sync: a manifest of sources, paths relative to it; each entry's key is the
     # farm's, and its blob imports.
